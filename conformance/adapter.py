@@ -1,0 +1,106 @@
+"""The adapter: the only surface through which the suite drives a backend (DESIGN §2.3).
+
+A third-party backend implements ``Backend`` and ``EngineHandle`` and declares honest
+``Capabilities``; every check gated on a capability it does not declare is reported as
+"not claimed", never as passed. The event and memory types are the reference engine's own
+(re-exported here), so there is one definition of each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from refengine.config import SamplingParams, SpecConfig
+from refengine.events import Event, FinishEvent, RetractEvent, TokenEvent
+from refengine.memory.view import MemoryView, ReqKV
+
+__all__ = [
+    "Backend", "Capabilities", "EngineHandle", "Event", "FinishEvent", "MemoryView", "OpenConfig",
+    "ReqKV", "Request", "RetractEvent", "SamplingParams", "SpecConfig", "TokenEvent",
+]
+
+ALGORITHMS = frozenset({"none", "eagle", "frozen_kv_mtp", "draft_model"})
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    algorithms: frozenset[str] = frozenset({"none"})
+    tree: bool = False
+    overlap: bool = False
+    sampling: bool = False
+    stepwise: bool = False
+    abort: bool = False
+    sessions: bool = False
+    memory_view: bool = False
+    acceptance_stats: bool = False
+    reference_draft: bool = False
+    worker_hooks: bool = False
+    graph_runner: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = set(self.algorithms) - ALGORITHMS
+        if unknown:
+            raise ValueError(f"algorithms: unknown {sorted(unknown)} (known: {sorted(ALGORITHMS)})")
+
+    def claims(self, name: str) -> bool:
+        """``name`` is a flag ("abort") or an algorithm ("algorithm:eagle")."""
+        if name.startswith("algorithm:"):
+            return name.split(":", 1)[1] in self.algorithms
+        if name not in FLAG_NAMES:
+            raise ValueError(f"unknown capability {name!r} (known: {sorted(FLAG_NAMES)})")
+        return bool(getattr(self, name))
+
+    def as_dict(self) -> dict[str, object]:
+        return {"algorithms": sorted(self.algorithms),
+                **{n: bool(getattr(self, n)) for n in sorted(FLAG_NAMES)}}
+
+
+FLAG_NAMES = frozenset(f for f in Capabilities.__dataclass_fields__ if f != "algorithms")
+
+
+@dataclass(frozen=True)
+class OpenConfig:
+    """What the suite asks a backend to load: the fixture model (and draft), limits, seed.
+
+    Limits are requests, not orders: a backend without a paged pool may ignore
+    ``kv_pool_tokens``/``page_size``, but must then not claim ``memory_view``.
+    """
+
+    model: str = "tiny-code"
+    spec: SpecConfig | None = None
+    kv_pool_tokens: int = 16384
+    page_size: int = 1
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 2048
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Request:
+    rid: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    session_id: str | None = None
+
+
+@runtime_checkable
+class EngineHandle(Protocol):
+    """One running engine instance."""
+
+    def submit(self, req: Request) -> None: ...
+    def step(self) -> list[Event]: ...
+    def abort(self, rid: str) -> None: ...
+    def memory(self) -> MemoryView: ...
+    def open_session(self, session_id: str) -> None: ...
+    def close_session(self, session_id: str) -> None: ...
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    version: str
+
+    def capabilities(self) -> Capabilities: ...
+    def open(self, cfg: OpenConfig) -> EngineHandle: ...

@@ -1,0 +1,1 @@
+"""Bundled backends: the reference engine, HF transformers, and the bug zoo (mutants)."""

@@ -1,0 +1,53 @@
+"""The reference engine as a backend: the first certified implementation."""
+
+from __future__ import annotations
+
+import refengine
+from conformance.adapter import Capabilities, Event, MemoryView, OpenConfig, Request
+from refengine import Engine, EngineConfig
+
+
+class RefEngineHandle:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def submit(self, req: Request) -> None:
+        self.engine.add_request(req.rid, list(req.prompt_ids), req.params, req.session_id)
+
+    def step(self) -> list[Event]:
+        return self.engine.step()
+
+    def abort(self, rid: str) -> None:
+        self.engine.abort(rid)
+
+    def memory(self) -> MemoryView:
+        return self.engine.memory()
+
+    def open_session(self, session_id: str) -> None:
+        self.engine.open_session(session_id)
+
+    def close_session(self, session_id: str) -> None:
+        self.engine.close_session(session_id)
+
+    def close(self) -> None:
+        self.engine = None  # type: ignore[assignment]  # drop the model and KV pool
+
+
+class RefEngineBackend:
+    name = "refengine"
+    version = refengine.__version__
+    engine_class: type[Engine] = Engine  # the bug zoo swaps in mutant subclasses
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(algorithms=frozenset({"none"}), sampling=True, stepwise=True,
+                            abort=True, memory_view=True)
+
+    def open(self, cfg: OpenConfig) -> RefEngineHandle:
+        return RefEngineHandle(self.engine_class(EngineConfig(
+            model=cfg.model, spec=cfg.spec, kv_pool_tokens=cfg.kv_pool_tokens,
+            page_size=cfg.page_size, max_running_requests=cfg.max_running_requests,
+            max_prefill_tokens=cfg.max_prefill_tokens, seed=cfg.seed, strict_mem_check=True)))
+
+
+def backend() -> RefEngineBackend:
+    return RefEngineBackend()

@@ -1,0 +1,137 @@
+"""Validated configuration dataclasses: SamplingParams, SpecConfig, EngineConfig.
+
+Every bad value raises ``ValueError`` whose message starts with the offending field's name, so
+the CLI can print it as one line and callers can tell which knob to fix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters. ``temperature == 0`` means greedy."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = -1  # -1 = whole vocabulary
+    top_p: float = 1.0
+    seed: int | None = None  # None: derived from the engine seed and the request id
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings; the emitted text is cut before the match
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers but store tuples, so params stay hashable and immutable.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str)
+                           else tuple(self.stop))
+        _require(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+                 "max_new_tokens", f"must be an integer >= 1, got {self.max_new_tokens!r}")
+        _require(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                 and self.temperature >= 0, "temperature",
+                 f"must be a finite number >= 0, got {self.temperature!r}")
+        _require(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
+                 f"must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        _require(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p",
+                 f"must be in (0, 1], got {self.top_p!r}")
+        _require(self.seed is None or (_is_int(self.seed) and self.seed >= 0), "seed",
+                 f"must be None or an integer >= 0, got {self.seed!r}")
+        _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+                 f"must be non-negative integers, got {self.stop_token_ids!r}")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop",
+                 f"must be non-empty strings, got {self.stop!r}")
+        _require(isinstance(self.ignore_eos, bool), "ignore_eos",
+                 f"must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings (sglang's names).
+
+    ``num_draft_tokens`` counts the tree's nodes including the root (the last verified token);
+    a chain (``topk == 1``) therefore needs ``num_draft_tokens == num_steps + 1``.
+    """
+
+    algorithm: Literal["eagle", "frozen_kv_mtp"] = "eagle"
+    draft_model: str = "tiny-code-eagle"
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+    overlap: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.algorithm in ("eagle", "frozen_kv_mtp"), "algorithm",
+                 f"must be 'eagle' or 'frozen_kv_mtp', got {self.algorithm!r}")
+        _require(_is_int(self.num_steps) and self.num_steps >= 1, "num_steps",
+                 f"must be an integer >= 1, got {self.num_steps!r}")
+        _require(_is_int(self.topk) and self.topk >= 1, "topk",
+                 f"must be an integer >= 1, got {self.topk!r}")
+        _require(_is_int(self.num_draft_tokens) and self.num_draft_tokens >= 2,
+                 "num_draft_tokens", f"must be an integer >= 2, got {self.num_draft_tokens!r}")
+        if self.topk == 1:
+            _require(self.num_draft_tokens == self.num_steps + 1, "num_draft_tokens",
+                     f"a chain (topk=1) needs num_steps + 1 = {self.num_steps + 1}, "
+                     f"got {self.num_draft_tokens}")
+        else:
+            most = 1 + self.topk * self.num_steps
+            _require(self.num_draft_tokens <= most, "num_draft_tokens",
+                     f"at most 1 + topk * num_steps = {most} for this tree, "
+                     f"got {self.num_draft_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine construction parameters; ``model`` is a fixture name or an HF-format directory."""
+
+    model: str = "tiny-code"
+    spec: SpecConfig | None = None
+    kv_pool_tokens: int = 16384
+    page_size: int = 1
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 2048  # per-step token budget; longer prompts prefill in chunks
+    device: str = "cpu"
+    dtype: str = "float32"
+    strict_mem_check: bool = True
+    cuda_graph: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.model, str) and bool(self.model), "model",
+                 f"must be a fixture name or a directory, got {self.model!r}")
+        _require(_is_int(self.page_size) and self.page_size >= 1, "page_size",
+                 f"must be an integer >= 1, got {self.page_size!r}")
+        _require(_is_int(self.kv_pool_tokens) and self.kv_pool_tokens >= self.page_size,
+                 "kv_pool_tokens", f"must be an integer >= page_size ({self.page_size}), "
+                 f"got {self.kv_pool_tokens!r}")
+        _require(_is_int(self.max_running_requests) and self.max_running_requests >= 1,
+                 "max_running_requests", f"must be an integer >= 1, got "
+                 f"{self.max_running_requests!r}")
+        _require(_is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1,
+                 "max_prefill_tokens", f"must be an integer >= 1, got {self.max_prefill_tokens!r}")
+        _require(self.device == "cpu" or self.device.startswith("cuda"), "device",
+                 f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype",
+                 f"must be float32, bfloat16 or float16, got {self.dtype!r}")
+        _require(_is_int(self.seed) and self.seed >= 0, "seed",
+                 f"must be an integer >= 0, got {self.seed!r}")
+        _require(not self.cuda_graph, "cuda_graph",
+                 "the graph runner is not implemented yet; use cuda_graph=False")
+        _require(self.spec is None, "spec",
+                 "speculative decoding is not implemented yet; use spec=None")

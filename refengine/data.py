@@ -1,0 +1,68 @@
+"""Where the bundled fixtures and golden traces live, in a checkout or in an installed wheel.
+
+In a checkout they are the top-level ``fixtures/`` and ``golden/`` folders; a wheel carries the
+same folders as ``refengine/_fixtures`` and ``refengine/_golden`` (see pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def _bundled(checkout_name: str, wheel_name: str) -> Path:
+    checkout = _PACKAGE.parent / checkout_name
+    if (checkout / "MANIFEST.json").exists() or (checkout / "README.md").exists():
+        return checkout
+    return _PACKAGE / wheel_name
+
+
+def fixtures_root() -> Path:
+    return _bundled("fixtures", "_fixtures")
+
+
+def golden_root() -> Path:
+    return _bundled("golden", "_golden")
+
+
+def fixture_names() -> list[str]:
+    root = fixtures_root()
+    return sorted(p.parent.name for p in root.glob("*/config.json"))
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def verify_fixture(name: str) -> None:
+    """Check every file of fixture ``name`` against MANIFEST.json; ValueError on a mismatch."""
+    root = fixtures_root()
+    manifest = json.loads((root / "MANIFEST.json").read_text())
+    prefix = f"{name}/"
+    entries = {k: v for k, v in manifest.items() if k.startswith(prefix)}
+    if not entries:
+        raise ValueError(f"manifest: fixture {name!r} has no entries in {root / 'MANIFEST.json'}")
+    for rel, digest in sorted(entries.items()):
+        path = root / rel
+        if not path.exists():
+            raise FileNotFoundError(f"fixture file missing: {path}")
+        if sha256_file(path) != digest:
+            raise ValueError(f"manifest hash mismatch: {rel} (file changed since the build; "
+                             "rebuild with fixtures/build.py or restore it)")
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A fixture name (checked against the manifest) or an existing HF-format directory."""
+    if model in fixture_names():
+        verify_fixture(model)
+        return fixtures_root() / model
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if "/" in model or model.startswith("."):
+        raise FileNotFoundError(f"model directory does not exist: {model}")
+    known = ", ".join(fixture_names()) or "none found"
+    raise FileNotFoundError(f"unknown fixture {model!r} (known fixtures: {known})")

@@ -1,0 +1,114 @@
+"""KVManager: per-request KV bookkeeping over the row table, the allocator and the KV pool.
+
+A request's positions ``0 .. allocated-1`` map to slots through its row in ``req_to_token``;
+slots come in whole pages, so a request owns ``ceil_page(allocated)`` slots. The manager is the
+only code that changes ``kv_allocated_len``; the engine moves ``kv_committed_len`` once KV is
+written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refengine.memory.allocator import TokenAllocator
+from refengine.memory.kv_pool import KVPool
+from refengine.memory.req_to_token import ReqToTokenPool
+from refengine.memory.view import MemoryView, ReqKV, bounds_error, conservation_error
+from refengine.request import Req
+
+
+class MemoryCheckError(AssertionError):
+    """The engine's strict memory check (M6) found broken accounting."""
+
+
+class KVManager:
+    def __init__(self, kv_pool_tokens: int, page_size: int, max_running_requests: int,
+                 max_context_len: int, kv_shape: tuple[int, int, int], dtype: torch.dtype,
+                 device: str) -> None:
+        num_pages = kv_pool_tokens // page_size + 1  # + the reserved page 0
+        self.page_size = page_size
+        self.allocator = TokenAllocator(num_pages, page_size)
+        self.rows = ReqToTokenPool(max_running_requests, max_context_len, device)
+        layers, kv_heads, head_dim = kv_shape
+        self.kv = KVPool(num_pages * page_size, layers, kv_heads, head_dim, dtype, device)
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity_slots
+
+    def pages_needed(self, req: Req, new_tokens: int) -> int:
+        ps = self.page_size
+        return -(-(req.kv_allocated_len + new_tokens) // ps) - (-(-req.kv_allocated_len // ps))
+
+    def can_extend(self, reqs: list[tuple[Req, int]]) -> bool:
+        need = sum(self.pages_needed(r, n) for r, n in reqs)
+        return need <= self.allocator.free_page_count
+
+    def assign_row(self, req: Req) -> bool:
+        row = self.rows.alloc_row()
+        if row is None:
+            return False
+        req.row = row
+        return True
+
+    def extend(self, req: Req, new_tokens: int) -> torch.Tensor:
+        """Reserve slots for the next ``new_tokens`` positions; returns their slot ids."""
+        ps, start = self.page_size, req.kv_allocated_len
+        end = start + new_tokens
+        if end > self.rows.max_context_len:
+            raise ValueError(f"request {req.rid!r}: {end} tokens exceed the context length "
+                             f"{self.rows.max_context_len}")
+        pages = self.allocator.alloc_pages(self.pages_needed(req, new_tokens))
+        if pages is None:
+            raise MemoryError(f"request {req.rid!r}: KV pool exhausted (asked for {new_tokens} "
+                              f"tokens, {self.allocator.free_slots} slots free)")
+        positions = torch.arange(start, end)
+        offsets = positions % ps
+        slots = torch.empty(new_tokens, dtype=torch.int64)
+        first_new_page = -(-start // ps)  # index of the first page this call allocates
+        page_of = positions // ps
+        fresh = page_of >= first_new_page
+        if pages:
+            page_ids = torch.tensor(pages, dtype=torch.int64)
+            slots[fresh] = page_ids[page_of[fresh] - first_new_page] * ps + offsets[fresh]
+        if (~fresh).any():  # the tail of the last page the request already owns
+            last_slot = int(self.rows.table[req.row, start - 1])
+            slots[~fresh] = last_slot + 1 + torch.arange(int((~fresh).sum()))
+        self.rows.table[req.row, start:end] = slots
+        req.kv_allocated_len = end
+        return slots
+
+    def truncate(self, req: Req, keep_tokens: int) -> None:
+        """Release reserved positions beyond ``keep_tokens`` (whole pages only)."""
+        ps = self.page_size
+        keep_pages = -(-keep_tokens // ps)
+        have_pages = -(-req.kv_allocated_len // ps)
+        if have_pages > keep_pages:
+            first = self.rows.table[req.row, keep_pages * ps: have_pages * ps: ps]
+            self.allocator.free_pages((first // ps).tolist())
+        req.kv_allocated_len = keep_tokens
+        req.kv_committed_len = min(req.kv_committed_len, keep_tokens)
+
+    def release(self, req: Req) -> None:
+        """Free a request's slots and its row (finish, abort, retraction)."""
+        if req.row is None:
+            return
+        self.truncate(req, 0)
+        self.rows.free_row(req.row)
+        req.row = None
+
+    def view(self, live: list[Req], reserve_bound: int) -> MemoryView:
+        return MemoryView(
+            capacity=self.capacity, free=self.allocator.free_slots, held=0,
+            page_size=self.page_size,
+            requests={r.rid: ReqKV(r.kv_committed_len, r.kv_allocated_len, r.kv_phase)
+                      for r in live if r.row is not None},
+            rows_capacity=self.rows.rows, rows_free=self.rows.free_rows, rows_held=0,
+            reserve_bound=reserve_bound)
+
+    def strict_check(self, live: list[Req], reserve_bound: int) -> None:
+        """M6: M1 and M2 inside the engine, naming the request and the numbers."""
+        view = self.view(live, reserve_bound)
+        problem = conservation_error(view) or bounds_error(view)
+        if problem:
+            raise MemoryCheckError(f"strict_mem_check: {problem}")

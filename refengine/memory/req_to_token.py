@@ -1,0 +1,37 @@
+"""ReqToTokenPool: (request row, token position) -> KV slot.
+
+Row 0 is a reserved dummy row (padded rows of a graph replay point there). A row belongs to at
+most one live request; freeing a free row raises.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refengine.memory.allocator import DoubleFreeError
+
+
+class ReqToTokenPool:
+    def __init__(self, rows: int, max_context_len: int, device: str) -> None:
+        self.rows = rows  # usable rows, excluding the dummy row 0
+        self.max_context_len = max_context_len
+        self.table = torch.zeros((rows + 1, max_context_len), dtype=torch.int64, device=device)
+        self._free: list[int] = list(range(rows, 0, -1))
+        self._is_free = bytearray([0]) + bytearray([1]) * rows
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free)
+
+    def alloc_row(self) -> int | None:
+        if not self._free:
+            return None
+        row = self._free.pop()
+        self._is_free[row] = 0
+        return row
+
+    def free_row(self, row: int) -> None:
+        if not 0 < row <= self.rows or self._is_free[row]:
+            raise DoubleFreeError(f"request row {row} freed twice or never allocatable")
+        self._is_free[row] = 1
+        self._free.append(row)

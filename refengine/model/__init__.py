@@ -1,0 +1,1 @@
+"""Model code: the HF-format loader and the Llama forward over the paged KV cache."""

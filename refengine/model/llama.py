@@ -1,0 +1,153 @@
+"""The Llama target (RMSNorm, RoPE, GQA, SwiGLU, untied head) over the paged KV cache.
+
+Parameter names are HF's, so a checkpoint loads with a strict ``load_state_dict``; the math
+follows HF's float32 path (RMSNorm in float32, rotate-half RoPE, SDPA with ``head_dim**-0.5``),
+which is what lets the lossless tests compare token for token with ``transformers``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from refengine.memory.kv_pool import KVPool
+from refengine.model.attention import AttentionMetadata, paged_attention
+from refengine.model.loader import ModelConfig, check_model_dir, load_config, load_weights
+
+
+@dataclass
+class ForwardBatch:
+    """One forward's inputs: flat new tokens of every request, in request order."""
+
+    input_ids: torch.Tensor        # [tokens]
+    positions: torch.Tensor        # [tokens]
+    out_slots: torch.Tensor        # [tokens] KV slot each new token writes
+    attention: AttentionMetadata
+    logits_index: torch.Tensor     # flat token indices whose logits are wanted
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Rotary:
+    """cos/sin tables for every position, computed once (HF's rotate-half convention)."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
+                                   / head_dim)
+        freqs = torch.arange(max_positions).float()[:, None] @ inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos = self.cos[positions][:, None, :].to(x.dtype)
+        sin = self.sin[positions][:, None, :].to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads,
+                                                    cfg.num_key_value_heads, cfg.head_dim)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool,
+                rotary: Rotary) -> torch.Tensor:
+        n = x.shape[0]
+        q = rotary.apply(self.q_proj(x).view(n, self.heads, self.head_dim), batch.positions)
+        k = rotary.apply(self.k_proj(x).view(n, self.kv_heads, self.head_dim), batch.positions)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        kv.write(self.layer, batch.out_slots, k, v)
+        out = paged_attention(q, kv.k[self.layer], kv.v[self.layer], batch.attention,
+                              self.head_dim ** -0.5)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool,
+                rotary: Rotary) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv, rotary)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor          # [len(logits_index), vocab], float32
+    hidden: torch.Tensor          # [tokens, hidden]: last layer's output before the final norm
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaBody(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVPool) -> ForwardOutput:
+        x = self.model.embed_tokens(batch.input_ids)
+        for layer in self.model.layers:
+            x = layer(x, batch, kv, self.rotary)
+        logits = self.lm_head(self.model.norm(x[batch.logits_index]))
+        return ForwardOutput(logits.float(), x)
+
+    @classmethod
+    def load(cls, path: Path, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+        check_model_dir(path)
+        cfg = load_config(path)
+        weights = load_weights(path, dtype)
+        if cfg.tie_word_embeddings and "lm_head.weight" not in weights:
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        model = cls(cfg).to(dtype)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{path / 'model.safetensors'}: weights do not match config.json "
+                             f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+        return model.to(device).eval()

@@ -1,0 +1,103 @@
+"""Scheduler: who runs in the next forward, under KV, row and token-budget limits.
+
+Policy (sglang's, simplified):
+- prefill first: a chunked prefill in progress continues; otherwise waiting requests are
+  admitted in queue order while rows, ``max_running_requests``, the per-step token budget and
+  free KV (keeping one page of head-room per decoding request) allow. A prompt larger than the
+  budget is prefilled in chunks, one chunked request at a time;
+- otherwise every decoding request advances one token; if the pool cannot give each one a slot,
+  the newest requests are retracted (KV and row freed, output kept, re-queued at the front)
+  until it can.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from refengine.memory.manager import KVManager
+from refengine.request import Req, ReqStatus
+
+
+@dataclass
+class ScheduledBatch:
+    mode: Literal["prefill", "decode"]
+    reqs: list[Req]
+    extend_lens: list[int]
+    retracted: list[Req] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, kv: KVManager, max_running_requests: int, max_prefill_tokens: int) -> None:
+        self.kv = kv
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []   # PREFILL (chunk in progress) and DECODE requests
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Req) -> None:
+        """Drop a finished or aborted request and free what it holds."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.release(req)
+
+    def schedule(self) -> ScheduledBatch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.max_prefill_tokens
+        reqs: list[Req] = []
+        lens: list[int] = []
+        decoding = sum(r.status is ReqStatus.DECODE for r in self.running)
+        head_room = decoding  # one page per decoding request for its next token
+        chunked = [r for r in self.running if r.status is ReqStatus.PREFILL]
+        candidates = chunked + list(self.waiting)
+        for req in candidates:
+            remaining = len(req.fill_ids) - req.kv_committed_len
+            take = min(remaining, budget)
+            fresh = req.status is ReqStatus.WAITING
+            if fresh and len(self.running) + len(reqs) >= self.max_running_requests:
+                break
+            pages = self.kv.pages_needed(req, take)
+            if pages + head_room > self.kv.allocator.free_page_count:
+                break
+            if fresh and not self.kv.assign_row(req):
+                break
+            if fresh:
+                self.waiting.remove(req)
+                self.running.append(req)
+                req.status = ReqStatus.PREFILL
+            head_room += pages
+            reqs.append(req)
+            lens.append(take)
+            budget -= take
+            if take < remaining or budget == 0:
+                break  # at most one request is left mid-prompt, and it is the last one
+        if not reqs:
+            return None
+        return ScheduledBatch("prefill", reqs, lens)
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        retracted: list[Req] = []
+        while True:
+            decoding = [r for r in self.running if r.status is ReqStatus.DECODE]
+            if not decoding:
+                return ScheduledBatch("decode", [], [], retracted) if retracted else None
+            if self.kv.can_extend([(r, 1) for r in decoding]):
+                return ScheduledBatch("decode", decoding, [1] * len(decoding), retracted)
+            retracted.append(self._retract_newest())
+
+    def _retract_newest(self) -> Req:
+        victim = max(self.running, key=lambda r: r.arrival)
+        self.running.remove(victim)
+        self.kv.release(victim)
+        victim.status = ReqStatus.WAITING
+        victim.retractions += 1
+        self.waiting.appendleft(victim)
+        return victim
