@@ -20,6 +20,20 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: object) -> bool:
+    # bool is an int subclass; True as a temperature is a caller bug, not 1.0.
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _as_tuple(value: object, name: str) -> tuple[object, ...]:
+    """Accept any iterable from callers but store a tuple (hashable, immutable). A non-iterable
+    (None, a bare int) is a bad value of ``name``, reported as ValueError, not a TypeError."""
+    try:
+        return tuple(value)  # type: ignore[call-overload]
+    except TypeError:
+        raise ValueError(f"{name}: must be a sequence, got {value!r}") from None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding parameters. ``temperature == 0`` means greedy."""
@@ -35,17 +49,18 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples, so params stay hashable and immutable.
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids",
+                           _as_tuple(self.stop_token_ids, "stop_token_ids"))
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str)
-                           else tuple(self.stop))
+                           else _as_tuple(self.stop, "stop"))
         _require(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
                  "max_new_tokens", f"must be an integer >= 1, got {self.max_new_tokens!r}")
-        _require(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+        _require(_is_number(self.temperature) and math.isfinite(self.temperature)
                  and self.temperature >= 0, "temperature",
                  f"must be a finite number >= 0, got {self.temperature!r}")
         _require(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
                  f"must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
-        _require(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p",
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
                  f"must be in (0, 1], got {self.top_p!r}")
         _require(self.seed is None or (_is_int(self.seed) and self.seed >= 0), "seed",
                  f"must be None or an integer >= 0, got {self.seed!r}")
@@ -79,6 +94,8 @@ class SpecConfig:
     def __post_init__(self) -> None:
         _require(self.algorithm in ("eagle", "frozen_kv_mtp"), "algorithm",
                  f"must be 'eagle' or 'frozen_kv_mtp', got {self.algorithm!r}")
+        _require(isinstance(self.draft_model, str) and bool(self.draft_model), "draft_model",
+                 f"must be a fixture name or a directory, got {self.draft_model!r}")
         _require(_is_int(self.num_steps) and self.num_steps >= 1, "num_steps",
                  f"must be an integer >= 1, got {self.num_steps!r}")
         _require(_is_int(self.topk) and self.topk >= 1, "topk",
@@ -94,6 +111,8 @@ class SpecConfig:
             _require(self.num_draft_tokens <= most, "num_draft_tokens",
                      f"at most 1 + topk * num_steps = {most} for this tree, "
                      f"got {self.num_draft_tokens}")
+        _require(isinstance(self.overlap, bool), "overlap",
+                 f"must be a bool, got {self.overlap!r}")
 
 
 @dataclass(frozen=True)
@@ -125,10 +144,13 @@ class EngineConfig:
                  f"{self.max_running_requests!r}")
         _require(_is_int(self.max_prefill_tokens) and self.max_prefill_tokens >= 1,
                  "max_prefill_tokens", f"must be an integer >= 1, got {self.max_prefill_tokens!r}")
-        _require(self.device == "cpu" or self.device.startswith("cuda"), "device",
+        _require(isinstance(self.device, str)
+                 and (self.device == "cpu" or self.device.startswith("cuda")), "device",
                  f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype",
                  f"must be float32, bfloat16 or float16, got {self.dtype!r}")
+        _require(isinstance(self.strict_mem_check, bool), "strict_mem_check",
+                 f"must be a bool, got {self.strict_mem_check!r}")
         _require(_is_int(self.seed) and self.seed >= 0, "seed",
                  f"must be an integer >= 0, got {self.seed!r}")
         _require(not self.cuda_graph, "cuda_graph",

@@ -13,19 +13,17 @@ from pathlib import Path
 _PACKAGE = Path(__file__).resolve().parent
 
 
-def _bundled(checkout_name: str, wheel_name: str) -> Path:
+def _bundled(checkout_name: str, wheel_name: str, marker: str) -> Path:
     checkout = _PACKAGE.parent / checkout_name
-    if (checkout / "MANIFEST.json").exists() or (checkout / "README.md").exists():
-        return checkout
-    return _PACKAGE / wheel_name
+    return checkout if (checkout / marker).exists() else _PACKAGE / wheel_name
 
 
 def fixtures_root() -> Path:
-    return _bundled("fixtures", "_fixtures")
+    return _bundled("fixtures", "_fixtures", "build.py")
 
 
 def golden_root() -> Path:
-    return _bundled("golden", "_golden")
+    return _bundled("golden", "_golden", "README.md")
 
 
 def fixture_names() -> list[str]:

@@ -129,7 +129,7 @@ class Engine:
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} given for {len(prompts)} prompts")
         rids = []
-        for prompt, p in zip(prompts, plist):
+        for prompt, p in zip(prompts, plist, strict=True):
             rid = f"gen-{self._anonymous}"
             self._anonymous += 1
             self.add_request(rid, prompt, p)
@@ -163,7 +163,7 @@ class Engine:
         reqs, lens = batch.reqs, batch.extend_lens
         ids, positions, slots, sample_at, sampled = [], [], [], [], []
         offset = 0
-        for req, n in zip(reqs, lens):
+        for req, n in zip(reqs, lens, strict=True):
             start = req.kv_committed_len
             source = req.fill_ids if batch.mode == "prefill" else req.output_ids[-1:]
             ids.extend(source[start:start + n] if batch.mode == "prefill" else source)
@@ -174,18 +174,18 @@ class Engine:
                 sample_at.append(offset - 1)
                 sampled.append(req)
         rows = torch.tensor([r.row for r in reqs])
-        seq_lens = [r.kv_committed_len + n for r, n in zip(reqs, lens)]
+        seq_lens = [r.kv_committed_len + n for r, n in zip(reqs, lens, strict=True)]
         fb = ForwardBatch(
             input_ids=torch.tensor(ids), positions=torch.cat(positions),
             out_slots=torch.cat(slots),
             attention=AttentionMetadata.build(self.kv.rows.table, rows, lens, seq_lens),
             logits_index=torch.tensor(sample_at, dtype=torch.int64))
         out = self.model(fb, self.kv.kv)
-        for req, n in zip(reqs, lens):
+        for req, n in zip(reqs, lens, strict=True):
             req.kv_committed_len += n
         tokens = select_tokens(out.logits, [r.params for r in sampled], [r.seed for r in sampled],
                                [len(r.output_ids) for r in sampled])
-        for req, token in zip(sampled, tokens):
+        for req, token in zip(sampled, tokens, strict=True):
             req.status = ReqStatus.DECODE
             self._emit(req, token, events)
 

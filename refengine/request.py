@@ -31,7 +31,6 @@ class Req:
     row: int | None = None             # row in ReqToTokenPool while it holds KV
     kv_committed_len: int = 0          # positions whose KV is written
     kv_allocated_len: int = 0          # positions with a reserved slot
-    text_offset: int = 0               # emitted text length already checked for stop strings
     retractions: int = 0
 
     @property

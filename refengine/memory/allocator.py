@@ -57,10 +57,16 @@ class TokenAllocator:
         return pages
 
     def free_pages(self, pages: Sequence[int]) -> None:
+        # Validate the whole call before changing anything: a rejected free (a page already
+        # free, repeated within ``pages``, or out of range) must leave the allocator as it was,
+        # not with earlier pages marked free yet missing from the free list (leaked for good).
+        seen: set[int] = set()
         for page in pages:
-            if not 0 < page < self.num_pages or self._is_free[page]:
+            if not 0 < page < self.num_pages or self._is_free[page] or page in seen:
                 raise DoubleFreeError(f"page {page} freed twice or never allocatable "
                                       f"(page_size={self.page_size})")
+            seen.add(page)
+        for page in pages:
             self._is_free[page] = 1
         self._free.extend(reversed(pages))
 

@@ -65,7 +65,7 @@ class AttentionMetadata:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [tokens, heads, dim]; caches: [slots, kv_heads, dim] -> [tokens, heads, dim]."""
-    tokens, heads, dim = q.shape
+    _, heads, dim = q.shape
     q_ext = torch.cat([q, q.new_zeros(1, heads, dim)])
     q_pad = q_ext[meta.query_index].transpose(1, 2)                  # [B, H, max_q, D]
     k = k_cache[meta.kv_slots].transpose(1, 2)                       # [B, KVH, max_kv, D]

@@ -1,0 +1,183 @@
+"""The ``specgate`` command.
+
+Exit codes: 0 every required check passed; 1 a check failed (or the run was vacuous); 2 a usage
+or configuration error, reported as one line on stderr without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from importlib.metadata import entry_points
+from pathlib import Path
+
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    """A bad argument or configuration: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + message
+        raise UsageError(message)
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# --- certify ----------------------------------------------------------------------------------
+
+def _suite_dir() -> Path:
+    import conformance.suites
+    return Path(conformance.suites.__file__).resolve().parent
+
+
+def _plugin_args() -> list[str]:
+    """Load the plugin explicitly only when no installed entry point does it already."""
+    installed = any(ep.name == "specgate" for ep in entry_points(group="pytest11"))
+    return [] if installed else ["-p", "conformance.plugin"]
+
+
+def _validate(spec: str, backends: list[str], model: str) -> None:
+    from conformance.registry import BackendError, load_backend
+    from conformance.specs import resolve_specs
+    from refengine.data import resolve_model_dir
+
+    try:
+        resolve_specs(spec)
+        for name in backends:
+            load_backend(name)
+        resolve_model_dir(model)
+    except (BackendError, ValueError, FileNotFoundError) as err:
+        raise UsageError(str(err)) from None
+
+
+def cmd_certify(args: argparse.Namespace) -> int:
+    import pytest
+
+    from conformance.report import build_certificate, tier_table, write_reports
+    from conformance.specs import resolve_specs
+
+    _validate(args.spec, [args.backend], args.model)
+    report_dir = Path(args.report)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    worst = 0
+    for spec in resolve_specs(args.spec):
+        _progress(f"specgate certify: backend {args.backend}, spec {spec.name}, "
+                  f"profile {args.profile}, {args.workers} worker(s)")
+        out_dir = report_dir if args.spec != "all" else report_dir / spec.name
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            results = Path(tmp) / "results.json"
+            pytest_args = [
+                str(_suite_dir()), "-c", os.devnull, "--rootdir", str(_suite_dir()),
+                "-p", "no:cacheprovider", *_plugin_args(),
+                "--specgate-backend", args.backend, "--specgate-spec", spec.name,
+                "--specgate-profile", args.profile, "--specgate-model", args.model,
+                "--specgate-results", str(results), "--junitxml", str(out_dir / "junit.xml"),
+                "-q", "-W", "ignore::DeprecationWarning",
+            ]
+            if args.workers > 1:
+                pytest_args += ["-n", str(args.workers)]
+            code = pytest.main(pytest_args)
+            if code in (pytest.ExitCode.USAGE_ERROR, pytest.ExitCode.INTERRUPTED):
+                raise UsageError(f"pytest stopped with exit code {int(code)}")
+            if not results.exists():
+                _progress("specgate certify: the suite produced no results")
+                return 1
+            cert = build_certificate(json.loads(results.read_text()))
+        write_reports(cert, out_dir)
+        print(f"\nspecgate certificate for {cert.backend['name']} {cert.backend['version']}, "
+              f"spec {cert.spec}: {cert.status.upper()}\n")
+        print(tier_table(cert))
+        print(f"\nreports: {out_dir / 'report.md'}, {out_dir / 'report.json'}, "
+              f"{out_dir / 'junit.xml'}")
+        worst = max(worst, 0 if cert.status == "passed" else 1)
+    return worst
+
+
+# --- bench ------------------------------------------------------------------------------------
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from conformance.bench import format_table, run_bench
+
+    backends = [b for b in args.backends.split(",") if b]
+    _validate(args.spec, backends, args.model)
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+        if any(b < 1 for b in batch_sizes):
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--batch-sizes: expected positive integers like 1,8,32, got "
+                         f"{args.batch_sizes!r}") from None
+    try:
+        result = run_bench(backends=backends, batch_sizes=batch_sizes,
+                           max_new_tokens=args.max_new_tokens, spec=args.spec,
+                           progress=_progress, model=args.model)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    print(format_table(result))
+    if args.json:
+        from dataclasses import asdict
+        Path(args.json).write_text(json.dumps(asdict(result), indent=1) + "\n")
+    return 0
+
+
+# --- parser -----------------------------------------------------------------------------------
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specgate", description="Conformance harness for speculative "
+                     "decoding, with a compact reference engine.")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+    sub.required = True
+
+    certify = sub.add_parser("certify", help="run the conformance suite against a backend and "
+                             "write report.md, report.json and junit.xml")
+    certify.add_argument("--backend", default=os.environ.get("SPECGATE_BACKEND", "refengine"),
+                         help="entry-point name (refengine, hf) or module:factory")
+    certify.add_argument("--spec", default="none", help="none | all (default: none)")
+    certify.add_argument("--profile", default="gate", choices=["gate", "full"])
+    certify.add_argument("--report", default="specgate-report", help="output directory")
+    certify.add_argument("-n", dest="workers", type=_positive_int,
+                         default=min(2, os.cpu_count() or 1),
+                         help="pytest-xdist workers (0 or 1: in-process)")
+    certify.add_argument("--model", default="tiny-code", help="fixture name or model directory")
+    certify.set_defaults(func=cmd_certify)
+
+    bench = sub.add_parser("bench", help="tokens/s of backends side by side, with ratios")
+    bench.add_argument("--backends", default="refengine,hf")
+    bench.add_argument("--spec", default="none")
+    bench.add_argument("--batch-sizes", default="1,8,32")
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    bench.add_argument("--model", default="tiny-code", help="fixture name or model directory")
+    bench.add_argument("--json", default=None, help="also write the figures here")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args))
+    except UsageError as err:
+        print(f"specgate: error: {err}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""The specgate pytest plugin (entry point ``pytest11: specgate``).
+
+It adds the ``--specgate-*`` options, resolves the backend under test, gates every suite check
+on the capabilities the backend declares (an undeclared one is reported as "not claimed", never
+as passed), refuses vacuous runs (zero checks, or every check skipped), prints a header naming
+backend, version and capabilities, and writes a machine-readable results file for
+``specgate certify``. Works under pytest-xdist: per-check data travels in ``user_properties``
+and only the controller writes results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from conformance.adapter import Backend, Capabilities
+from conformance.oracle import ReferenceOracle
+from conformance.prompts import PromptCase, load_prompt_set
+from conformance.registry import BackendError, load_backend
+from conformance.specs import SpecChoice, resolve_specs
+
+NOT_CLAIMED = "not claimed"
+DEFAULT_BACKEND = "refengine"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How much of each tier runs: ``gate`` for every CI run, ``full`` for certification."""
+
+    name: str
+    prompt_set: str
+    max_new_tokens: int
+    batch_sizes: tuple[int, ...]
+
+
+PROFILES = {
+    "gate": Profile("gate", "small", 32, (1, 8)),
+    "full": Profile("full", "default", 64, (1, 16, 40)),
+}
+
+
+@dataclass
+class SuiteContext:
+    """What every check needs: the backend, its claims, the spec, the profile and the oracle."""
+
+    backend_name: str
+    backend: Backend
+    caps: Capabilities
+    spec: SpecChoice
+    profile: Profile
+    model: str = "tiny-code"
+    _oracle: ReferenceOracle | None = field(default=None, repr=False)
+
+    @property
+    def prompts(self) -> tuple[PromptCase, ...]:
+        return load_prompt_set(self.profile.prompt_set, self.model)
+
+    @property
+    def oracle(self) -> ReferenceOracle:
+        if self._oracle is None:
+            self._oracle = ReferenceOracle(self.model)
+        return self._oracle
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("specgate", "specgate conformance suite")
+    group.addoption("--specgate-backend", default=None,
+                    help="backend under test: an entry-point name (refengine, hf) or "
+                         "module:factory; default $SPECGATE_BACKEND or refengine")
+    group.addoption("--specgate-spec", default="none",
+                    help="speculative configuration to certify (none, all)")
+    group.addoption("--specgate-profile", default="gate", choices=sorted(PROFILES),
+                    help="gate: quick CI subset; full: every configuration")
+    group.addoption("--specgate-model", default="tiny-code",
+                    help="target model: a fixture name or an HF-format directory")
+    group.addoption("--specgate-results", default=None,
+                    help="write per-check results (JSON) here")
+
+
+def _backend_name(config: pytest.Config) -> str:
+    return (config.getoption("--specgate-backend") or os.environ.get("SPECGATE_BACKEND")
+            or DEFAULT_BACKEND)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "specgate_tier(name): the suite tier a check belongs to")
+    config.addinivalue_line("markers", "specgate_requires(*capabilities): capabilities the "
+                            "backend must claim (flags, or 'algorithm:<name>')")
+    config.addinivalue_line("markers", "slow: long-running check")
+    if not hasattr(config, "workerinput"):  # xdist workers forward their reports instead
+        config.pluginmanager.register(ResultCollector(config), "specgate-results")
+
+
+def _context(config: pytest.Config) -> SuiteContext:
+    ctx = getattr(config, "_specgate_ctx", None)
+    if ctx is None:
+        name = _backend_name(config)
+        try:
+            backend = load_backend(name)
+            spec = resolve_specs(config.getoption("--specgate-spec"))[0]
+        except (BackendError, ValueError) as err:
+            raise pytest.UsageError(str(err)) from None
+        ctx = SuiteContext(name, backend, backend.capabilities(), spec,
+                           PROFILES[config.getoption("--specgate-profile")],
+                           config.getoption("--specgate-model"))
+        config._specgate_ctx = ctx  # type: ignore[attr-defined]
+    return ctx
+
+
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
+    if not (config.getoption("--specgate-backend") or os.environ.get("SPECGATE_BACKEND")
+            or config.getoption("--specgate-results")):
+        return None
+    ctx = _context(config)
+    claimed = ", ".join(f"{k}={v}" for k, v in ctx.caps.as_dict().items())
+    return [f"specgate: backend {ctx.backend_name} ({ctx.backend.name} {ctx.backend.version}); "
+            f"spec {ctx.spec.name}; profile {ctx.profile.name}",
+            f"specgate: capabilities: {claimed}"]
+
+
+def _requirements(item: pytest.Item, spec: SpecChoice) -> list[str]:
+    needs = [f"algorithm:{spec.algorithm}"]
+    for mark in item.iter_markers("specgate_requires"):
+        needs.extend(mark.args)
+    return needs
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    suite_items = [i for i in items if i.get_closest_marker("specgate_tier")]
+    if not suite_items:
+        return
+    ctx = _context(config)
+    for item in suite_items:
+        tier = item.get_closest_marker("specgate_tier").args[0]
+        needs = _requirements(item, ctx.spec)
+        missing = [n for n in needs if not ctx.caps.claims(n)]
+        item.user_properties.append(("specgate_tier", tier))
+        item.user_properties.append(("specgate_requires", ",".join(needs)))
+        if missing:
+            item.add_marker(pytest.mark.skip(reason=f"{NOT_CLAIMED}: {', '.join(missing)}"))
+
+
+@pytest.fixture(scope="session")
+def sg(request: pytest.FixtureRequest) -> SuiteContext:
+    """The suite context: backend under test, its capabilities, spec, profile, oracle."""
+    return _context(request.config)
+
+
+def _outcome(report: pytest.TestReport) -> str:
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
+        return NOT_CLAIMED if reason.startswith(f"Skipped: {NOT_CLAIMED}") else "skipped"
+    return "passed" if report.passed else "failed"
+
+
+class ResultCollector:
+    """Collects one row per suite check (on the xdist controller, or the only process) and
+    applies the vacuous-run guard at the end of the session."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.rows: dict[str, dict[str, object]] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        props = dict(report.user_properties)
+        if "specgate_tier" not in props:
+            return
+        final = report.when == "call" or (report.when == "setup" and not report.passed) or (
+            report.when == "teardown" and report.failed)
+        if not final:
+            return
+        message = ""
+        crash = getattr(report.longrepr, "reprcrash", None)
+        if report.failed and crash is not None:
+            message = crash.message[:800]
+        elif report.failed:
+            message = report.longreprtext.strip()[-800:]
+        elif report.skipped and isinstance(report.longrepr, tuple):
+            message = report.longrepr[2]
+        previous = self.rows.get(report.nodeid)
+        if previous is not None and previous["outcome"] == "failed":
+            return  # a teardown after a failure must not hide the failure
+        self.rows[report.nodeid] = {
+            "nodeid": report.nodeid, "tier": props["specgate_tier"],
+            "requires": props.get("specgate_requires", ""), "outcome": _outcome(report),
+            "duration": round(report.duration, 3), "message": message,
+            "figures": {k: v for k, v in props.items() if not k.startswith("specgate_")}}
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        results_path = self.config.getoption("--specgate-results")
+        rows = list(self.rows.values())
+        vacuous = None
+        outcomes = {r["outcome"] for r in rows}
+        if rows and not outcomes & {"passed", "failed"}:
+            vacuous = f"all {len(rows)} checks were skipped or not claimed"
+        elif not rows and results_path:
+            vacuous = "zero checks collected"
+        if vacuous:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(f"specgate: vacuous run refused: {vacuous}", red=True)
+        if results_path:
+            ctx = _context(self.config)
+            Path(results_path).write_text(json.dumps({
+                "backend": {"name": ctx.backend.name, "version": ctx.backend.version,
+                            "resolved_from": ctx.backend_name},
+                "capabilities": ctx.caps.as_dict(), "spec": ctx.spec.name,
+                "profile": ctx.profile.name, "vacuous": vacuous, "checks": rows,
+            }, indent=1))

@@ -1,0 +1,32 @@
+"""Prompt sets (fixtures/prompts/*.jsonl), tokenized with the fixture model's tokenizer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+
+from tokenizers import Tokenizer
+
+from refengine.data import fixtures_root, resolve_model_dir
+
+
+@dataclass(frozen=True)
+class PromptCase:
+    id: str
+    text: str
+    ids: tuple[int, ...]
+
+
+@cache
+def load_prompt_set(name: str, model: str = "tiny-code") -> tuple[PromptCase, ...]:
+    path = fixtures_root() / "prompts" / f"{name}.jsonl"
+    if not path.exists():
+        known = sorted(p.stem for p in (fixtures_root() / "prompts").glob("*.jsonl"))
+        raise FileNotFoundError(f"unknown prompt set {name!r} (known: {', '.join(known)})")
+    tok = Tokenizer.from_file(str(resolve_model_dir(model) / "tokenizer.json"))
+    cases = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        cases.append(PromptCase(row["id"], row["text"], tuple(tok.encode(row["text"]).ids)))
+    return tuple(cases)

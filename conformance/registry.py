@@ -1,0 +1,53 @@
+"""Resolve a backend named on the command line: ``module:factory`` or an entry-point name
+(group ``specgate.backends``). Problems raise ``BackendError`` with one line naming them."""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+
+from conformance.adapter import Backend
+
+ENTRY_POINT_GROUP = "specgate.backends"
+BUILTIN = {  # so a checkout works before `pip install -e .` registers the entry points
+    "refengine": "conformance.backends.refengine:backend",
+    "hf": "conformance.backends.hf_transformers:backend",
+}
+
+
+class BackendError(ValueError):
+    """The backend could not be found, imported or constructed."""
+
+
+def known_backends() -> list[str]:
+    names = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return sorted(names | BUILTIN.keys())
+
+
+def _target(spec: str) -> str:
+    if ":" in spec:
+        return spec
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == spec:
+            return ep.value
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    raise BackendError(f"unknown backend {spec!r} (known: {', '.join(known_backends())}; "
+                       "or give module:factory)")
+
+
+def load_backend(spec: str) -> Backend:
+    target = _target(spec)
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise BackendError(f"backend {spec!r}: cannot import {module_name!r} ({err})") from None
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise BackendError(f"backend {spec!r}: module {module_name!r} has no {attr!r}")
+    backend = factory() if callable(factory) and not isinstance(factory, Backend) else factory
+    if not isinstance(backend, Backend):
+        raise BackendError(f"backend {spec!r}: {target} did not give a Backend (needs name, "
+                           "version, capabilities(), open())")
+    return backend

@@ -1,0 +1,149 @@
+"""The certificate: report.md and report.json from the plugin's per-check results.
+
+A tier's status is, in order: "failed" if any check failed; "not claimed" if every check was
+gated off by an undeclared capability; "skipped" if nothing ran for another reason; else
+"passed". Nothing counts as passed unless at least one check in it passed.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+OUTCOMES = ("passed", "failed", "not claimed", "skipped")
+
+
+@dataclass
+class TierSummary:
+    tier: str
+    counts: dict[str, int]
+    status: str
+    seconds: float
+    failures: list[dict[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class Certificate:
+    backend: dict[str, str]
+    capabilities: dict[str, object]
+    spec: str
+    profile: str
+    tiers: list[TierSummary]
+    status: str                # "passed" | "failed"
+    vacuous: str | None
+    environment: dict[str, str]
+    created: str
+    checks: list[dict[str, object]]
+    matrix: dict[str, dict[str, str]]  # capability -> tier -> status of checks needing it
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+
+def _status(counts: Counter[str]) -> str:
+    if counts["failed"]:
+        return "failed"
+    if counts["passed"]:
+        return "passed"
+    if counts["not claimed"]:
+        return "not claimed"
+    return "skipped"
+
+
+def _environment() -> dict[str, str]:
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform(), "threads": str(torch.get_num_threads())}
+
+
+def build_certificate(results: dict[str, object]) -> Certificate:
+    checks: list[dict[str, object]] = list(results["checks"])  # type: ignore[arg-type]
+    tiers: dict[str, list[dict[str, object]]] = {}
+    for check in checks:
+        tiers.setdefault(str(check["tier"]), []).append(check)
+    summaries = []
+    for tier, rows in sorted(tiers.items()):
+        counts = Counter(str(r["outcome"]) for r in rows)
+        summaries.append(TierSummary(
+            tier, {o: counts[o] for o in OUTCOMES}, _status(counts),
+            round(sum(float(r["duration"]) for r in rows), 2),
+            [{"check": str(r["nodeid"]), "message": str(r["message"])}
+             for r in rows if r["outcome"] == "failed"]))
+    matrix: dict[str, dict[str, str]] = {}
+    for tier, rows in sorted(tiers.items()):
+        for cap in sorted({c for r in rows for c in str(r["requires"]).split(",") if c}):
+            needing = Counter(str(r["outcome"]) for r in rows if cap in str(r["requires"]))
+            matrix.setdefault(cap, {})[tier] = _status(needing)
+    failed = any(s.status == "failed" for s in summaries) or bool(results.get("vacuous"))
+    return Certificate(
+        backend=dict(results["backend"]),  # type: ignore[arg-type]
+        capabilities=dict(results["capabilities"]),  # type: ignore[arg-type]
+        spec=str(results["spec"]), profile=str(results["profile"]), tiers=summaries,
+        status="failed" if failed or not summaries else "passed",
+        vacuous=results.get("vacuous") or (None if summaries else "zero checks collected"),
+        environment=_environment(),
+        created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ"),
+        checks=checks, matrix=matrix)
+
+
+def tier_table(cert: Certificate) -> str:
+    head = "| tier | passed | failed | not claimed | skipped | seconds | status |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for t in cert.tiers:
+        c = t.counts
+        lines.append(f"| {t.tier} | {c['passed']} | {c['failed']} | {c['not claimed']} | "
+                     f"{c['skipped']} | {t.seconds} | **{t.status}** |")
+    return "\n".join(lines)
+
+
+def matrix_table(cert: Certificate) -> str:
+    tiers = [t.tier for t in cert.tiers]
+    lines = ["| capability | claimed | " + " | ".join(tiers) + " |",
+             "|---|---|" + "---|" * len(tiers)]
+    for cap, cells in sorted(cert.matrix.items()):
+        name = cap.split(":", 1)[-1]
+        claimed = (name in cert.capabilities.get("algorithms", []) if cap.startswith("algorithm:")
+                   else bool(cert.capabilities.get(cap)))
+        row = " | ".join(cells.get(t, "—") for t in tiers)
+        lines.append(f"| {cap} | {'yes' if claimed else 'no'} | {row} |")
+    return "\n".join(lines)
+
+
+def render_markdown(cert: Certificate) -> str:
+    b = cert.backend
+    out = [f"# specgate certificate: {b['name']} {b['version']}", "",
+           f"- result: **{cert.status.upper()}**",
+           f"- spec: `{cert.spec}`, profile: `{cert.profile}`",
+           f"- backend resolved from: `{b['resolved_from']}`",
+           f"- created: {cert.created}", ""]
+    if cert.vacuous:
+        out += [f"**Vacuous run refused:** {cert.vacuous}", ""]
+    out += ["## Tiers", "", tier_table(cert), "",
+            "## Capability × tier", "",
+            "Each cell: the status of the checks in that tier that need the capability. "
+            "\"not claimed\" means the backend does not declare it: nothing was certified.", "",
+            matrix_table(cert), ""]
+    failures = [f for t in cert.tiers for f in t.failures]
+    if failures:
+        out += ["## Failures", ""]
+        out += [f"- `{f['check']}`: {f['message']}" for f in failures]
+        out.append("")
+    figures = [(c["nodeid"], c["figures"]) for c in cert.checks if c.get("figures")]
+    if figures:
+        out += ["## Figures", ""]
+        out += [f"- `{node}`: " + ", ".join(f"{k}={v}" for k, v in sorted(f.items()))
+                for node, f in figures]
+        out.append("")
+    out += ["## Environment", ""] + [f"- {k}: {v}" for k, v in cert.environment.items()]
+    return "\n".join(out) + "\n"
+
+
+def write_reports(cert: Certificate, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "report.md").write_text(render_markdown(cert))
+    (directory / "report.json").write_text(cert.to_json() + "\n")

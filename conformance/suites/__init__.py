@@ -1,0 +1,1 @@
+"""The conformance checks `specgate certify` runs (collected by the specgate pytest plugin)."""

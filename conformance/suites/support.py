@@ -1,0 +1,54 @@
+"""Helpers shared by the suite's tiers: open a backend, run request mixes, compare outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+from conformance.adapter import OpenConfig, SamplingParams
+from conformance.driver import Driver, Outcome, step_budget
+from conformance.plugin import SuiteContext
+
+
+@contextmanager
+def open_driver(sg: SuiteContext, **limits: int) -> Iterator[Driver]:
+    """A fresh engine instance of the backend under test, with the spec being certified."""
+    cfg = replace(OpenConfig(model=sg.model, spec=sg.spec.configs[0]), **limits)
+    handle = sg.backend.open(cfg)
+    try:
+        yield Driver(handle, sg.caps)
+    finally:
+        handle.close()
+
+
+def greedy(max_new_tokens: int, **kw: object) -> SamplingParams:
+    """Greedy with ``ignore_eos`` by default, so every output has a known length."""
+    kw.setdefault("ignore_eos", True)
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, **kw)
+
+
+def run_all(driver: Driver, requests: dict[str, tuple[list[int], SamplingParams]]
+            ) -> dict[str, Outcome]:
+    for rid, (prompt, params) in requests.items():
+        driver.submit(rid, prompt, params)
+    return driver.run(step_budget(list(requests.values())))
+
+
+def first_divergence(got: list[int], want: list[int]) -> str:
+    """Where two token sequences first differ, for a failure message."""
+    for i, (g, w) in enumerate(zip(got, want, strict=False)):
+        if g != w:
+            return f"first divergence at output index {i}: got {g}, expected {w}"
+    return f"lengths differ: got {len(got)} tokens, expected {len(want)}"
+
+
+def assert_matches_oracle(sg: SuiteContext, outcomes: dict[str, Outcome],
+                          requests: dict[str, tuple[list[int], SamplingParams]]) -> None:
+    bad = []
+    for rid, (prompt, params) in requests.items():
+        want = sg.oracle.greedy(tuple(prompt), params)
+        got = outcomes[rid].output_ids
+        if got != want:
+            bad.append(f"{rid}: {first_divergence(got, want)}")
+    assert not bad, f"{len(bad)}/{len(requests)} outputs differ from the reference: {bad[:5]}"

@@ -1,0 +1,84 @@
+"""Tier lifecycle: request edges that crash or leak in real engines — tiny outputs, a stop at
+the first token, abort in every phase, arrivals after everything finished, idle to busy."""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance.plugin import SuiteContext
+from conformance.suites.support import assert_matches_oracle, greedy, open_driver, run_all
+
+pytestmark = pytest.mark.specgate_tier("lifecycle")
+
+
+def _longest(sg: SuiteContext) -> list[int]:
+    return list(max(sg.prompts, key=lambda c: len(c.ids)).ids)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3])
+def test_max_new_tokens(sg: SuiteContext, max_new_tokens: int) -> None:
+    requests = {c.id: (list(c.ids), greedy(max_new_tokens)) for c in sg.prompts[:4]}
+    with open_driver(sg) as driver:
+        outcomes = run_all(driver, requests)
+    for rid, o in outcomes.items():
+        assert len(o.output_ids) == max_new_tokens and o.reason == "length", (rid, o)
+    assert_matches_oracle(sg, outcomes, requests)
+
+
+def test_stop_at_first_token(sg: SuiteContext) -> None:
+    prompt = list(sg.prompts[0].ids)
+    first = sg.oracle.greedy(tuple(prompt), greedy(1))[0]
+    with open_driver(sg) as driver:
+        outcome = run_all(driver, {"r": (prompt, greedy(16, stop_token_ids=(first,)))})["r"]
+    assert outcome.output_ids == [first] and outcome.reason == "stop", outcome
+
+
+def test_new_arrivals_after_everything_finished(sg: SuiteContext) -> None:
+    first = {c.id: (list(c.ids), greedy(6)) for c in sg.prompts[:3]}
+    second = {f"{c.id}-again": (list(c.ids), greedy(9)) for c in sg.prompts[2:5]}
+    with open_driver(sg) as driver:
+        outcomes = run_all(driver, first)
+        assert not driver.live
+        outcomes.update(run_all(driver, second))
+    assert_matches_oracle(sg, outcomes, {**first, **second})
+
+
+def test_idle_to_busy(sg: SuiteContext) -> None:
+    requests = {"late": (list(sg.prompts[1].ids), greedy(5))}
+    with open_driver(sg) as driver:
+        for _ in range(3):
+            assert driver.step() == [], "an idle engine must report no events"
+        outcomes = run_all(driver, requests)
+    assert_matches_oracle(sg, outcomes, requests)
+
+
+@pytest.mark.specgate_requires("stepwise", "abort")
+@pytest.mark.parametrize("phase", ["queued", "prefilling", "decoding"])
+def test_abort(sg: SuiteContext, phase: str) -> None:
+    """Abort one request in the given phase; the other runs on unharmed; nothing leaks."""
+    victim = _longest(sg)
+    bystander = {"bystander": (list(sg.prompts[0].ids), greedy(12))}
+    limits = {"queued": {"max_running_requests": 1}, "prefilling": {"max_prefill_tokens": 8},
+              "decoding": {}}[phase]
+    with open_driver(sg, **limits) as driver:
+        # Queued: the bystander holds the only running slot. Prefilling: the victim goes first
+        # and its long prompt is cut into 8-token chunks, so one step leaves it mid-prompt.
+        order = ["victim", "bystander"] if phase == "prefilling" else ["bystander", "victim"]
+        for rid in order:
+            if rid == "victim":
+                driver.submit("victim", victim, greedy(24))
+            else:
+                driver.submit(rid, *bystander[rid])
+        if phase == "prefilling":
+            driver.step()
+        elif phase == "decoding":
+            while not driver.streamed["victim"]:
+                driver.step()
+            driver.step()
+        driver.abort("victim")
+        outcomes = driver.run(10_000)
+    assert outcomes["victim"].reason == "abort", outcomes["victim"]
+    streamed = driver.streamed["victim"]
+    want = sg.oracle.greedy(tuple(victim), greedy(24))
+    assert streamed == want[:len(streamed)], "tokens streamed before the abort were wrong"
+    assert_matches_oracle(sg, outcomes, bystander)

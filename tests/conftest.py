@@ -1,0 +1,50 @@
+"""Shared fixtures for the project's own tests.
+
+``random_model_dir``: a tiny randomly initialised Llama in HF format (2 layers, 64 wide, vocab
+2048, context 512) with the bundled tokenizer, built once per session. Fast tests run the engine
+on it; ``transformers`` loads the same directory as the outside oracle.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER_DIR = REPO / "fixtures" / "tokenizer"
+
+RANDOM_VOCAB = 2048
+RANDOM_CONTEXT = 512
+
+
+def build_random_model(out: Path) -> Path:
+    """Write the random Llama (seeded, so every session builds the same weights) to ``out``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=RANDOM_VOCAB, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=RANDOM_CONTEXT, tie_word_embeddings=False,
+                      eos_token_id=0, bos_token_id=0)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER_DIR / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Directory of the random model; read-only for tests (copy it before changing files)."""
+    return build_random_model(tmp_path_factory.mktemp("random-llama"))
+
+
+@pytest.fixture(scope="session")
+def hf_random_model(random_model_dir: Path) -> torch.nn.Module:
+    """The random model as ``transformers`` loads it, in float32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32)
+    return model.eval()

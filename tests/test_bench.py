@@ -1,0 +1,83 @@
+"""``conformance.bench`` on the random tiny Llama (``random_model_dir``, conftest)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from conformance.bench import BenchResult, format_table, parse_batch_sizes, run_bench
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def bench_result(random_model_dir: Path) -> tuple[BenchResult, list[str]]:
+    messages: list[str] = []
+    result = run_bench(["refengine", "hf"], [1, 2], 4, "none", messages.append,
+                       model=str(random_model_dir))
+    return result, messages
+
+
+def test_bench_measures_both_backends(bench_result: tuple[BenchResult, list[str]]) -> None:
+    result, messages = bench_result
+    assert [row.batch_size for row in result.rows] == [1, 2]
+    for row in result.rows:
+        assert set(row.results) == {"refengine", "hf"}
+        for timing in row.results.values():
+            assert timing.total_tokens == row.batch_size * 4  # ignore_eos: exactly max_new
+            assert timing.seconds > 0
+            assert timing.tokens_per_s == pytest.approx(timing.total_tokens / timing.seconds)
+            assert timing.tokens_per_s > 0
+    assert result.threads == 1
+    assert result.versions["hf"].startswith("hf transformers ")
+    assert any("batch   2: hf" in m for m in messages)
+
+
+def test_table_and_json(bench_result: tuple[BenchResult, list[str]]) -> None:
+    result, _ = bench_result
+    table = format_table(result)
+    assert "refengine tok/s" in table and "hf tok/s" in table and "refengine/hf" in table
+    assert "max_new_tokens=4" in table and "torch threads=1" in table
+    assert result.model in table
+    body = table.splitlines()[-2:]
+    assert [line.split()[0] for line in body] == ["1", "2"]
+    assert all(line.endswith("x") for line in body)
+    data = json.loads(json.dumps(dataclasses.asdict(result)))
+    assert data["rows"][1]["results"]["hf"]["total_tokens"] == 8
+
+
+def test_single_backend_has_no_ratio(random_model_dir: Path) -> None:
+    result = run_bench(["hf"], [3], 2, "none", lambda _: None, model=str(random_model_dir))
+    assert result.rows[0].results["hf"].total_tokens == 6
+    assert format_table(result).splitlines()[-3].split() == ["batch", "hf", "tok/s"]
+
+
+def test_rejects_bad_arguments(random_model_dir: Path) -> None:
+    model = str(random_model_dir)
+    with pytest.raises(ValueError, match=r"^--spec: 'eagle' not supported by bench yet"):
+        run_bench(["refengine"], [1], 4, "eagle", print, model=model)
+    with pytest.raises(ValueError, match=r"^--batch-sizes"):
+        run_bench(["refengine"], [0], 4, "none", print, model=model)
+    with pytest.raises(ValueError, match=r"^--max-new-tokens"):
+        run_bench(["refengine"], [1], 0, "none", print, model=model)
+    with pytest.raises(ValueError, match=r"^--backends"):
+        run_bench(["hf", "hf"], [1], 4, "none", print, model=model)
+
+
+def test_parse_batch_sizes() -> None:
+    assert parse_batch_sizes("1,8,32") == [1, 8, 32]
+    assert parse_batch_sizes(" 4 ") == [4]
+    for bad in ("", "1,x", "0", "-2"):
+        with pytest.raises(ValueError, match=r"^--batch-sizes"):
+            parse_batch_sizes(bad)

@@ -1,0 +1,204 @@
+"""KVManager: extend / truncate / release over the row table and the paged allocator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refengine.config import SamplingParams
+from refengine.memory.manager import KVManager, MemoryCheckError
+from refengine.memory.view import ceil_page
+from refengine.request import Req
+
+CONTEXT = 64
+
+
+def make_manager(page_size: int, pool_tokens: int = 64, rows: int = 4) -> KVManager:
+    return KVManager(pool_tokens, page_size, rows, CONTEXT, (1, 1, 2), torch.float32, "cpu")
+
+
+def make_req(kv: KVManager, rid: str = "r0") -> Req:
+    req = Req(rid, [1, 2, 3], SamplingParams(), seed=0, arrival=0)
+    assert kv.assign_row(req)
+    return req
+
+
+def row_slots(kv: KVManager, req: Req) -> list[int]:
+    assert req.row is not None
+    return kv.rows.table[req.row, :req.kv_allocated_len].tolist()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("chunks", [[1] * 11, [3, 5, 1, 2], [11], [4, 4, 3], [2, 7, 1, 1]])
+def test_extend_maps_positions_page_by_page(page_size: int, chunks: list[int]) -> None:
+    kv = make_manager(page_size)
+    req = make_req(kv)
+    returned: list[int] = []
+    for n in chunks:
+        pages_before = kv.allocator.free_page_count
+        start = req.kv_allocated_len
+        slots = kv.extend(req, n)
+        returned += slots.tolist()
+        assert req.kv_allocated_len == start + n
+        # New pages exactly when the extension crosses into a page the request does not own.
+        new_pages = ceil_page(start + n, page_size) // page_size - ceil_page(start, page_size) \
+            // page_size
+        assert pages_before - kv.allocator.free_page_count == new_pages
+    total = sum(chunks)
+    assert row_slots(kv, req) == returned
+    assert len(set(returned)) == total
+    for pos, slot in enumerate(returned):
+        assert slot >= page_size, "slot in the reserved page 0"
+        assert slot % page_size == pos % page_size
+        if pos % page_size:  # within a page, consecutive positions get consecutive slots
+            assert slot == returned[pos - 1] + 1
+    assert kv.capacity - kv.allocator.free_slots == ceil_page(total, page_size)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_two_requests_never_share_a_page(page_size: int) -> None:
+    kv = make_manager(page_size)
+    a, b = make_req(kv, "a"), make_req(kv, "b")
+    for n in [1, 2, 3, 1, 5]:
+        kv.extend(a, n)
+        kv.extend(b, n)
+    pages_a = {s // page_size for s in row_slots(kv, a)}
+    pages_b = {s // page_size for s in row_slots(kv, b)}
+    assert not pages_a & pages_b
+    assert 0 not in pages_a | pages_b
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("allocated", [1, 3, 4, 5, 9, 16])
+def test_release_frees_whole_pages_and_row(page_size: int, allocated: int) -> None:
+    kv = make_manager(page_size)
+    req = make_req(kv)
+    rows_before = kv.rows.free_rows
+    kv.extend(req, allocated)
+    req.kv_committed_len = allocated
+    assert kv.allocator.free_slots == kv.capacity - ceil_page(allocated, page_size)
+    kv.release(req)
+    assert kv.allocator.free_slots == kv.capacity
+    assert kv.rows.free_rows == rows_before + 1
+    assert req.row is None
+    assert req.kv_allocated_len == 0 and req.kv_committed_len == 0
+    kv.release(req)  # releasing a request without a row is a no-op, not a double free
+    assert kv.allocator.free_slots == kv.capacity
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize(("allocated", "keep"), [(9, 5), (9, 8), (9, 4), (8, 0), (3, 3)])
+def test_truncate_keeps_whole_pages(page_size: int, allocated: int, keep: int) -> None:
+    kv = make_manager(page_size)
+    req = make_req(kv)
+    kv.extend(req, allocated)
+    prefix = row_slots(kv, req)[:keep]
+    req.kv_committed_len = allocated
+    kv.truncate(req, keep)
+    assert req.kv_allocated_len == keep
+    assert req.kv_committed_len == keep
+    assert kv.capacity - kv.allocator.free_slots == ceil_page(keep, page_size)
+    # Extending again continues the same mapping for the kept prefix.
+    kv.extend(req, allocated - keep)
+    assert row_slots(kv, req)[:keep] == prefix
+    assert len(set(row_slots(kv, req))) == allocated
+    assert kv.capacity - kv.allocator.free_slots == ceil_page(allocated, page_size)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_pages_needed_and_can_extend(page_size: int) -> None:
+    kv = make_manager(page_size, pool_tokens=8)
+    req = make_req(kv)
+    assert kv.pages_needed(req, 0) == 0
+    assert kv.pages_needed(req, 1) == 1
+    assert kv.pages_needed(req, page_size + 1) == 2
+    kv.extend(req, 1)
+    assert kv.pages_needed(req, page_size - 1) == 0
+    assert kv.pages_needed(req, page_size) == 1
+    assert kv.can_extend([(req, 8 - 1)])
+    assert not kv.can_extend([(req, 8)])
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_extend_when_exhausted_changes_nothing(page_size: int) -> None:
+    kv = make_manager(page_size, pool_tokens=8)
+    req = make_req(kv)
+    kv.extend(req, 5)
+    before = (kv.allocator.backup_state(), req.kv_allocated_len, row_slots(kv, req))
+    with pytest.raises(MemoryError, match="'r0'"):
+        kv.extend(req, 4)
+    assert (kv.allocator.backup_state(), req.kv_allocated_len, row_slots(kv, req)) == before
+
+
+def test_extend_past_context_raises() -> None:
+    kv = make_manager(1, pool_tokens=128)
+    req = make_req(kv)
+    kv.extend(req, CONTEXT - 1)
+    with pytest.raises(ValueError, match="context length"):
+        kv.extend(req, 2)
+    assert req.kv_allocated_len == CONTEXT - 1
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_view_reports_live_requests(page_size: int) -> None:
+    kv = make_manager(page_size)
+    a, b = make_req(kv, "a"), make_req(kv, "b")
+    kv.extend(a, 5)
+    a.kv_committed_len = 5
+    idle = Req("queued", [1], SamplingParams(), seed=0, arrival=2)  # no row: not in the view
+    view = kv.view([a, b, idle], reserve_bound=0)
+    assert set(view.requests) == {"a", "b"}
+    assert (view.requests["a"].committed, view.requests["a"].allocated) == (5, 5)
+    assert view.free == kv.capacity - ceil_page(5, page_size)
+    assert view.rows_capacity == 4 and view.rows_free == 2
+    kv.strict_check([a, b, idle], reserve_bound=0)  # consistent accounting passes
+
+
+def tampered_pair(page_size: int) -> tuple[KVManager, Req, Req]:
+    kv = make_manager(page_size)
+    good, victim = make_req(kv, "good"), make_req(kv, "victim-7")
+    for r in (good, victim):
+        kv.extend(r, 6)
+        r.kv_committed_len = 6
+    kv.strict_check([good, victim], reserve_bound=0)  # untampered: passes
+    return kv, good, victim
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("tamper", ["committed_over", "committed_negative", "reserve_exceeded"])
+def test_strict_check_names_request_with_broken_bounds(page_size: int, tamper: str) -> None:
+    kv, good, victim = tampered_pair(page_size)
+    if tamper == "committed_over":
+        victim.kv_committed_len += 1          # committed > allocated
+    elif tamper == "committed_negative":
+        victim.kv_committed_len = -1
+    else:
+        victim.kv_committed_len -= 1          # allocated - committed = 1 > reserve_bound 0
+    with pytest.raises(MemoryCheckError, match=r"^strict_mem_check: M2 bounds") as info:
+        kv.strict_check([good, victim], reserve_bound=0)
+    assert "'victim-7'" in str(info.value)
+    assert "good" not in str(info.value)
+    if tamper == "reserve_exceeded":
+        kv.strict_check([good, victim], reserve_bound=1)  # within a looser bound it is legal
+
+
+def test_strict_check_allocated_within_page_is_a_bounds_error() -> None:
+    """With page_size 4, allocated 6 -> 7 still owns two pages: M1 holds, M2 names the request."""
+    kv, good, victim = tampered_pair(4)
+    victim.kv_allocated_len += 1
+    with pytest.raises(MemoryCheckError, match=r"^strict_mem_check: M2 bounds.*'victim-7'"):
+        kv.strict_check([good, victim], reserve_bound=0)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("delta", [-4, 4])
+def test_strict_check_catches_slot_leak_or_overcount(page_size: int, delta: int) -> None:
+    """A tampered allocated length that changes the pages a request owns breaks M1."""
+    kv, good, victim = tampered_pair(page_size)
+    victim.kv_allocated_len += delta
+    victim.kv_committed_len += delta
+    with pytest.raises(MemoryCheckError, match=r"^strict_mem_check: M1 conservation") as info:
+        kv.strict_check([good, victim], reserve_bound=0)
+    owned = ceil_page(6, page_size) + ceil_page(6 + delta, page_size)
+    assert f"owned {owned}" in str(info.value)
+    assert f"capacity {kv.capacity}" in str(info.value)
