@@ -101,6 +101,59 @@ def cmd_certify(args: argparse.Namespace) -> int:
     return worst
 
 
+# --- mutants ----------------------------------------------------------------------------------
+
+def _run_suite_quietly(backend: str, spec: str, profile: str, model: str, results: Path,
+                       stop_at_first_failure: bool) -> None:
+    import pytest
+
+    args = [str(_suite_dir()), "-c", os.devnull, "--rootdir", str(_suite_dir()),
+            "-p", "no:cacheprovider", *_plugin_args(), "--specgate-backend", backend,
+            "--specgate-spec", spec, "--specgate-profile", profile, "--specgate-model", model,
+            "--specgate-results", str(results), "-qq", "--tb=no", "--no-header",
+            "-W", "ignore::DeprecationWarning"]
+    if stop_at_first_failure:
+        args.append("-x")
+    pytest.main(args)
+
+
+def cmd_mutants(args: argparse.Namespace) -> int:
+    from conformance.backends.mutants import MUTANTS
+
+    _validate(args.spec, [], args.model)
+    names = list(MUTANTS) if not args.only else args.only.split(",")
+    unknown = [n for n in names if n not in MUTANTS]
+    if unknown:
+        raise UsageError(f"--only: unknown mutant(s) {unknown} (known: {', '.join(MUTANTS)})")
+    rows = []
+    for i, name in enumerate(names, 1):
+        _progress(f"[{i}/{len(names)}] mutant {name}: running the suite ...")
+        with tempfile.TemporaryDirectory() as tmp:
+            results = Path(tmp) / "results.json"
+            _run_suite_quietly(f"mutant:{name}", args.spec, args.profile, args.model, results,
+                               stop_at_first_failure=True)
+            checks = json.loads(results.read_text())["checks"] if results.exists() else []
+        killers = [c for c in checks if c["outcome"] == "failed"]
+        status = "killed" if killers else "survived" if checks else "error: the suite did not run"
+        row = {"mutant": name, "bug_class": MUTANTS[name].bug_class, "status": status,
+               "killed_by": killers[0]["nodeid"] if killers else None,
+               "message": killers[0]["message"] if killers else None}
+        rows.append(row)
+        _progress(f"    {row['status']}" + (f" by {row['killed_by']}" if killers else ""))
+    survived = [r for r in rows if r["status"] != "killed"]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print("| mutant | bug class | status | killed by |\n|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['mutant']} | {r['bug_class']} | {r['status']} | "
+                  f"{r['killed_by'] or '—'} |")
+        print(f"\n{len(rows) - len(survived)} of {len(rows)} mutants killed")
+    if any(r["status"].startswith("error") for r in rows):
+        _progress("specgate mutants: the suite failed to run for some mutants (see above)")
+    return 1 if survived else 0
+
+
 # --- bench ------------------------------------------------------------------------------------
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -158,6 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
                          help="pytest-xdist workers (0 or 1: in-process)")
     certify.add_argument("--model", default="tiny-code", help="fixture name or model directory")
     certify.set_defaults(func=cmd_certify)
+
+    mutants = sub.add_parser("mutants", help="run the suite against every bug-zoo mutant; "
+                             "exit 1 if any survives")
+    mutants.add_argument("--spec", default="none")
+    mutants.add_argument("--profile", default="gate", choices=["gate", "full"])
+    mutants.add_argument("--model", default="tiny-code", help="fixture name or model directory")
+    mutants.add_argument("--only", default="", help="comma-separated mutant names")
+    mutants.add_argument("--json", action="store_true", help="print the results as JSON")
+    mutants.set_defaults(func=cmd_mutants)
 
     bench = sub.add_parser("bench", help="tokens/s of backends side by side, with ratios")
     bench.add_argument("--backends", default="refengine,hf")

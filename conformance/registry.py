@@ -1,5 +1,6 @@
-"""Resolve a backend named on the command line: ``module:factory`` or an entry-point name
-(group ``specgate.backends``). Problems raise ``BackendError`` with one line naming them."""
+"""Resolve a backend named on the command line: ``module:factory``, an entry-point name (group
+``specgate.backends``) or ``mutant:<name>`` (the bug zoo). Problems raise ``BackendError`` with
+one line naming them."""
 
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ def _target(spec: str) -> str:
 
 
 def load_backend(spec: str) -> Backend:
+    if spec.startswith("mutant:"):
+        from conformance.backends.mutants import mutant_backend
+        try:
+            return mutant_backend(spec.split(":", 1)[1])
+        except ValueError as err:
+            raise BackendError(str(err)) from None
     target = _target(spec)
     module_name, _, attr = target.partition(":")
     try:

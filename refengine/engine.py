@@ -37,6 +37,10 @@ class RequestOutput:
 
 
 class Engine:
+    # Component classes: the extension points a variant engine (e.g. the bug zoo) overrides.
+    kv_manager_class: type[KVManager] = KVManager
+    scheduler_class: type[Scheduler] = Scheduler
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         path = resolve_model_dir(config.model)
@@ -46,11 +50,11 @@ class Engine:
         self.vocab_size = cfg.vocab_size
         self.eos_token_id = cfg.eos_token_id
         self.max_context_len = cfg.max_position_embeddings
-        self.kv = KVManager(config.kv_pool_tokens, config.page_size, config.max_running_requests,
-                            self.max_context_len,
-                            (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim),
-                            _DTYPES[config.dtype], config.device)
-        self.scheduler = Scheduler(self.kv, config.max_running_requests,
+        self.kv = self.kv_manager_class(
+            config.kv_pool_tokens, config.page_size, config.max_running_requests,
+            self.max_context_len, (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim),
+            _DTYPES[config.dtype], config.device)
+        self.scheduler = self.scheduler_class(self.kv, config.max_running_requests,
                                    config.max_prefill_tokens)
         self._live: dict[str, Req] = {}
         self._pending: list[Event] = []
@@ -178,7 +182,7 @@ class Engine:
         fb = ForwardBatch(
             input_ids=torch.tensor(ids), positions=torch.cat(positions),
             out_slots=torch.cat(slots),
-            attention=AttentionMetadata.build(self.kv.rows.table, rows, lens, seq_lens),
+            attention=self._attention_metadata(rows, lens, seq_lens),
             logits_index=torch.tensor(sample_at, dtype=torch.int64))
         out = self.model(fb, self.kv.kv)
         for req, n in zip(reqs, lens, strict=True):
@@ -189,18 +193,25 @@ class Engine:
             req.status = ReqStatus.DECODE
             self._emit(req, token, events)
 
+    def _attention_metadata(self, rows: torch.Tensor, extend_lens: list[int],
+                            seq_lens: list[int]) -> AttentionMetadata:
+        return AttentionMetadata.build(self.kv.rows.table, rows, extend_lens, seq_lens)
+
+    def _finish_reason(self, req: Req) -> FinishReason | None:
+        return finish_reason(req.params, req.output_ids, req.seq_len, self.eos_token_id,
+                             self.max_context_len, self.tokenizer.decode)
+
     def _emit(self, req: Req, token: int, events: list[Event]) -> None:
         req.output_ids.append(token)
         events.append(TokenEvent(req.rid, (token,)))
-        reason = finish_reason(req, token, self.eos_token_id, self.max_context_len,
-                               self.tokenizer.decode)
+        reason = self._finish_reason(req)
         if reason is not None:
             self._finish(req, reason, events)
 
     def _finish(self, req: Req, reason: FinishReason, events: list[Event]) -> None:
+        req.finish_reason = reason
         self.scheduler.remove(req)
         req.status = ReqStatus.FINISHED
-        req.finish_reason = reason
         del self._live[req.rid]
         text = self.tokenizer.decode(req.output_ids)
         if reason == "stop" and req.params.stop:

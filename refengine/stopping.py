@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from refengine.request import FinishReason, Req
+from refengine.config import SamplingParams
+from refengine.request import FinishReason
 
 
-def finish_reason(req: Req, token: int, eos_token_id: int, max_context_len: int,
-                  decode: Callable[[list[int]], str]) -> FinishReason | None:
-    """Why ``req`` stops after emitting ``token`` (already appended), or None."""
-    p = req.params
-    if token in p.stop_token_ids or (token == eos_token_id and not p.ignore_eos):
+def finish_reason(params: SamplingParams, output_ids: list[int], seq_len: int, eos_token_id: int,
+                  max_context_len: int, decode: Callable[[list[int]], str]) -> FinishReason | None:
+    """Why a request stops after emitting ``output_ids[-1]`` (already appended), or None."""
+    token = output_ids[-1]
+    if token in params.stop_token_ids or (token == eos_token_id and not params.ignore_eos):
         return "stop"
-    if p.stop and stop_string_cut(decode(req.output_ids), p.stop) is not None:
+    if params.stop and stop_string_cut(decode(output_ids), params.stop) is not None:
         return "stop"
-    if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= max_context_len:
+    if len(output_ids) >= params.max_new_tokens or seq_len >= max_context_len:
         return "length"
     return None
 
