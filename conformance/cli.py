@@ -47,12 +47,13 @@ def _validate(spec: str, backends: list[str], model: str) -> None:
     from conformance.registry import BackendError, load_backend
     from conformance.specs import resolve_specs
     from refengine.data import resolve_model_dir
+    from refengine.model.loader import check_model_dir
 
     try:
         resolve_specs(spec)
         for name in backends:
             load_backend(name)
-        resolve_model_dir(model)
+        check_model_dir(resolve_model_dir(model))
     except (BackendError, ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
 

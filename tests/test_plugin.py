@@ -1,0 +1,87 @@
+"""The pytest plugin: capability gating, "not claimed" reporting, the vacuous-run guard."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conformance.adapter import Capabilities
+from conformance.cli import _plugin_args
+from conformance.backends.refengine import RefEngineBackend
+from conformance.registry import BackendError, load_backend
+
+pytest_plugins = ["pytester"]
+
+
+class ClaimsNothingUseful(RefEngineBackend):
+    """Claims only an algorithm no --spec of this version selects."""
+
+    name = "claims-nothing"
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(algorithms=frozenset({"draft_model"}))
+
+
+class RunToCompletionOnly(RefEngineBackend):
+    name = "run-to-completion"
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(algorithms=frozenset({"none"}))
+
+
+def claims_nothing() -> ClaimsNothingUseful:
+    return ClaimsNothingUseful()
+
+
+def run_to_completion() -> RunToCompletionOnly:
+    return RunToCompletionOnly()
+
+
+SUITE = Path(__file__).resolve().parents[1] / "conformance" / "suites"
+
+
+def run_suite(pytester: pytest.Pytester, backend: str, model: Path, *extra: str
+              ) -> tuple[pytest.RunResult, dict]:
+    results = pytester.path / "results.json"
+    res = pytester.runpytest_inprocess(
+        str(SUITE), "-c", str(pytester.path / "none.ini"), "--rootdir", str(SUITE),
+        "-p", "no:cacheprovider", *_plugin_args(), "--specgate-backend", backend, "--specgate-model", str(model),
+        "--specgate-results", str(results), *extra)
+    return res, json.loads(results.read_text())
+
+
+def test_unclaimed_everything_is_a_vacuous_failure(pytester: pytest.Pytester,
+                                                    random_model_dir: Path) -> None:
+    (pytester.path / "none.ini").write_text("[pytest]\n")
+    res, results = run_suite(pytester, "tests.test_plugin:claims_nothing", random_model_dir)
+    assert res.ret == pytest.ExitCode.TESTS_FAILED
+    res.stdout.fnmatch_lines(["*vacuous run refused*"])
+    assert results["vacuous"]
+    assert results["checks"] and all(c["outcome"] == "not claimed" for c in results["checks"])
+
+
+def test_gating_marks_unclaimed_checks(pytester: pytest.Pytester,
+                                       random_model_dir: Path) -> None:
+    """A backend without stepwise/abort/memory_view: those checks are 'not claimed', the rest
+    run and pass, and the header names the backend."""
+    (pytester.path / "none.ini").write_text("[pytest]\n")
+    res, results = run_suite(pytester, "tests.test_plugin:run_to_completion", random_model_dir,
+                             "-k", "memory or abort or max_new_tokens")
+    res.stdout.fnmatch_lines(["*specgate: backend tests.test_plugin:run_to_completion*"])
+    outcomes = {c["nodeid"].split("::")[1]: c["outcome"] for c in results["checks"]}
+    assert outcomes["test_abort[queued]"] == "not claimed"
+    assert outcomes["test_invariants_under_pressure[1]"] == "not claimed"
+    assert outcomes["test_max_new_tokens[1]"] == "passed"
+    assert res.ret == pytest.ExitCode.OK
+
+
+def test_registry_errors_name_the_problem() -> None:
+    with pytest.raises(BackendError, match="unknown backend 'zzz'"):
+        load_backend("zzz")
+    with pytest.raises(BackendError, match="has no 'nothing_here'"):
+        load_backend("tests.test_plugin:nothing_here")
+    with pytest.raises(BackendError, match="did not give a Backend"):
+        load_backend("tests.test_plugin:SUITE")
+    assert load_backend("refengine").name == "refengine"
