@@ -155,5 +155,8 @@ class EngineConfig:
                  f"must be an integer >= 0, got {self.seed!r}")
         _require(not self.cuda_graph, "cuda_graph",
                  "the graph runner is not implemented yet; use cuda_graph=False")
-        _require(self.spec is None, "spec",
-                 "speculative decoding is not implemented yet; use spec=None")
+        if self.spec is not None:
+            _require(self.spec.algorithm == "eagle", "spec",
+                     f"algorithm {self.spec.algorithm!r} is not implemented yet (eagle is)")
+            _require(not self.spec.overlap, "spec",
+                     "overlap scheduling (EAGLE V2) is not implemented yet; use overlap=False")

@@ -16,10 +16,14 @@ from refengine.events import Event, FinishEvent, RetractEvent, TokenEvent
 from refengine.memory.manager import KVManager
 from refengine.memory.view import MemoryView, ceil_page
 from refengine.model.attention import AttentionMetadata
+from refengine.model.eagle import EagleDraftModel
 from refengine.model.llama import ForwardBatch, LlamaForCausalLM
 from refengine.request import FinishReason, Req, ReqStatus
 from refengine.sampler import select_tokens
 from refengine.scheduler import ScheduledBatch, Scheduler
+from refengine.spec.draft_state import DraftState
+from refengine.spec.eagle_v1 import EagleWorker
+from refengine.spec.inputs import DraftExtendInput
 from refengine.stopping import finish_reason, stop_string_cut
 
 Prompt = str | Sequence[int]
@@ -40,6 +44,7 @@ class Engine:
     # Component classes: the extension points a variant engine (e.g. the bug zoo) overrides.
     kv_manager_class: type[KVManager] = KVManager
     scheduler_class: type[Scheduler] = Scheduler
+    worker_class: type[EagleWorker] = EagleWorker
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -50,10 +55,21 @@ class Engine:
         self.vocab_size = cfg.vocab_size
         self.eos_token_id = cfg.eos_token_id
         self.max_context_len = cfg.max_position_embeddings
+        spec = config.spec
+        draft = None
+        if spec is not None:
+            draft = EagleDraftModel.load(resolve_model_dir(spec.draft_model), self.model,
+                                         _DTYPES[config.dtype], config.device)
         self.kv = self.kv_manager_class(
             config.kv_pool_tokens, config.page_size, config.max_running_requests,
             self.max_context_len, (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim),
-            _DTYPES[config.dtype], config.device)
+            _DTYPES[config.dtype], config.device,
+            draft_layers=0 if draft is None else len(draft.layers),
+            row_headroom=0 if spec is None else max(spec.topk * spec.num_steps,
+                                                    spec.num_draft_tokens))
+        self.worker = None if spec is None or draft is None else self.worker_class(
+            spec, self.model, draft, self.kv)
+        self.draft_state = None if self.worker is None else DraftState(self.worker.idle_input())
         self.scheduler = self.scheduler_class(self.kv, config.max_running_requests,
                                    config.max_prefill_tokens)
         self._live: dict[str, Req] = {}
@@ -113,7 +129,10 @@ class Engine:
         events, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if batch is not None:
-            events.extend(RetractEvent(r.rid) for r in batch.retracted)
+            for r in batch.retracted:
+                events.append(RetractEvent(r.rid))
+                if self.draft_state is not None:
+                    self.draft_state.drop(r.rid)
             if batch.reqs:
                 self._run(batch, events)
         if self.config.strict_mem_check:
@@ -164,6 +183,9 @@ class Engine:
     # --- internals ----------------------------------------------------------------------------
 
     def _run(self, batch: ScheduledBatch, events: list[Event]) -> None:
+        if batch.mode == "decode" and self.worker is not None:
+            self._run_spec_decode(batch.reqs, events)
+            return
         reqs, lens = batch.reqs, batch.extend_lens
         ids, positions, slots, sample_at, sampled = [], [], [], [], []
         offset = 0
@@ -185,13 +207,62 @@ class Engine:
             attention=self._attention_metadata(rows, lens, seq_lens),
             logits_index=torch.tensor(sample_at, dtype=torch.int64))
         out = self.model(fb, self.kv.kv)
-        for req, n in zip(reqs, lens, strict=True):
-            req.kv_committed_len += n
         tokens = select_tokens(out.logits, [r.params for r in sampled], [r.seed for r in sampled],
                                [len(r.output_ids) for r in sampled])
+        if self.worker is not None:  # a prefill: the draft head follows over the same tokens
+            self._draft_prefill(reqs, lens, fb, out.features, dict(zip(
+                [r.rid for r in sampled], tokens, strict=True)))
+        for req, n in zip(reqs, lens, strict=True):
+            req.kv_committed_len += n
         for req, token in zip(sampled, tokens, strict=True):
             req.status = ReqStatus.DECODE
-            self._emit(req, token, events)
+            self._emit(req, [token], events)
+
+    def _draft_prefill(self, reqs: list[Req], lens: list[int], fb: ForwardBatch,
+                       features: torch.Tensor, sampled: dict[str, int]) -> None:
+        """Pair each prefilled position p with the token after it: the next fill token, or the
+        sampled token where a request's fill ends (never the sampled token at a chunk
+        boundary: bug class "chunked prefill breaks the draft chain")."""
+        next_ids: list[int] = []
+        last_rows: list[int] = []
+        offset = 0
+        for req, n in zip(reqs, lens, strict=True):
+            start, fill = req.kv_committed_len, req.fill_ids
+            following = fill[start + 1:start + n + 1]
+            if len(following) < n:
+                following = [*following, sampled[req.rid]]
+                last_rows.append(offset + n - 1)
+            next_ids.extend(following)
+            offset += n
+        assert self.worker is not None and self.draft_state is not None
+        done = [r for r in reqs if r.rid in sampled]
+        rows = self.worker.draft_prefill(
+            fb, features, torch.tensor(next_ids), torch.tensor(last_rows, dtype=torch.int64),
+            torch.tensor([sampled[r.rid] for r in done], dtype=torch.int64))
+        self.draft_state.add([r.rid for r in done], rows)
+
+    def _run_spec_decode(self, reqs: list[Req], events: list[Event]) -> None:
+        """draft -> verify -> per-token finish checks -> commit -> draft-extend."""
+        assert self.worker is not None and self.draft_state is not None
+        draft_input = self.draft_state.aligned([r.rid for r in reqs])
+        verify_input = self.worker.draft(reqs, draft_input)
+        outcome = self.worker.verify(reqs, verify_input)
+        unfinished: list[int] = []
+        for i, req in enumerate(reqs):
+            req.accept_lens.append(self._emit(req, outcome.emitted[i], events))
+            if req.status is not ReqStatus.FINISHED:
+                self.worker.commit(req, outcome.nodes[i])
+                unfinished.append(i)
+        extend_input = self.worker.extend_input(outcome, unfinished)
+        self._install_draft_state([reqs[i] for i in unfinished], extend_input)
+
+    def _install_draft_state(self, reqs: list[Req], extend_input: DraftExtendInput) -> None:
+        """Seed 000: when every request finished inside verify there is nothing to extend; an
+        idle DraftInput (zero rows, right dtypes) is installed so the next merge works."""
+        assert self.worker is not None and self.draft_state is not None
+        draft_input = (self.worker.draft_extend(reqs, extend_input) if reqs
+                       else self.worker.idle_input())
+        self.draft_state.install([r.rid for r in reqs], draft_input)
 
     def _attention_metadata(self, rows: torch.Tensor, extend_lens: list[int],
                             seq_lens: list[int]) -> AttentionMetadata:
@@ -201,20 +272,32 @@ class Engine:
         return finish_reason(req.params, req.output_ids, req.seq_len, self.eos_token_id,
                              self.max_context_len, self.tokenizer.decode)
 
-    def _emit(self, req: Req, token: int, events: list[Event]) -> None:
-        req.output_ids.append(token)
-        events.append(TokenEvent(req.rid, (token,)))
-        reason = self._finish_reason(req)
+    def _emit(self, req: Req, tokens: list[int], events: list[Event]) -> int:
+        """Append ``tokens`` one at a time, checking finish conditions after each: a stop
+        inside a speculative run ends it there. Returns how many were kept."""
+        kept: list[int] = []
+        reason = None
+        for token in tokens:
+            req.output_ids.append(token)
+            kept.append(token)
+            reason = self._finish_reason(req)
+            if reason is not None:
+                break
+        events.append(TokenEvent(req.rid, tuple(kept)))
         if reason is not None:
             self._finish(req, reason, events)
+        return len(kept)
 
     def _finish(self, req: Req, reason: FinishReason, events: list[Event]) -> None:
         req.finish_reason = reason
         self.scheduler.remove(req)
         req.status = ReqStatus.FINISHED
         del self._live[req.rid]
+        if self.draft_state is not None:
+            self.draft_state.drop(req.rid)
         text = self.tokenizer.decode(req.output_ids)
         if reason == "stop" and req.params.stop:
             cut = stop_string_cut(text, req.params.stop)
             text = text if cut is None else text[:cut]
-        events.append(FinishEvent(req.rid, reason, tuple(req.output_ids), text))
+        events.append(FinishEvent(req.rid, reason, tuple(req.output_ids), text,
+                                  tuple(req.accept_lens)))

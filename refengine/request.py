@@ -32,6 +32,7 @@ class Req:
     kv_committed_len: int = 0          # positions whose KV is written
     kv_allocated_len: int = 0          # positions with a reserved slot
     retractions: int = 0
+    accept_lens: list[int] = field(default_factory=list)  # tokens emitted per verify step
 
     @property
     def fill_ids(self) -> list[int]:

@@ -24,13 +24,18 @@ class MemoryCheckError(AssertionError):
 class KVManager:
     def __init__(self, kv_pool_tokens: int, page_size: int, max_running_requests: int,
                  max_context_len: int, kv_shape: tuple[int, int, int], dtype: torch.dtype,
-                 device: str) -> None:
+                 device: str, draft_layers: int = 0, row_headroom: int = 0) -> None:
+        """``draft_layers``: layers of a draft KV pool sharing this allocator and row table
+        (EAGLE), so a slot names the same position in both. ``row_headroom``: extra row width
+        for speculative positions past the context end (draft scratch, the verify block)."""
         num_pages = kv_pool_tokens // page_size + 1  # + the reserved page 0
         self.page_size = page_size
         self.allocator = TokenAllocator(num_pages, page_size)
-        self.rows = ReqToTokenPool(max_running_requests, max_context_len, device)
+        self.rows = ReqToTokenPool(max_running_requests, max_context_len + row_headroom, device)
         layers, kv_heads, head_dim = kv_shape
         self.kv = KVPool(num_pages * page_size, layers, kv_heads, head_dim, dtype, device)
+        self.draft_kv = (KVPool(num_pages * page_size, draft_layers, kv_heads, head_dim, dtype,
+                                device) if draft_layers else None)
 
     @property
     def capacity(self) -> int:
@@ -56,7 +61,7 @@ class KVManager:
         ps, start = self.page_size, req.kv_allocated_len
         end = start + new_tokens
         if end > self.rows.max_context_len:
-            raise ValueError(f"request {req.rid!r}: {end} tokens exceed the context length "
+            raise ValueError(f"request {req.rid!r}: {end} positions exceed the row width "
                              f"{self.rows.max_context_len}")
         pages = self.allocator.alloc_pages(self.pages_needed(req, new_tokens))
         if pages is None:

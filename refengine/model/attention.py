@@ -36,7 +36,9 @@ class AttentionMetadata:
               ) -> AttentionMetadata:
         """``seq_lens[b]`` counts request b's positions after this forward's KV is written;
         its new tokens are the last ``extend_lens[b]`` of them. ``custom_masks[b]``, if given, is
-        a ``[extend_len, extend_len]`` bool mask among the new tokens (prefix always visible).
+        an ``[extend_len, m]`` bool mask over the last ``m >= extend_len`` key positions (the
+        tree among the new tokens, or a draft beam's scratch entries); every earlier position
+        stays visible.
         """
         batch, max_q, max_kv = len(extend_lens), max(extend_lens), max(seq_lens)
         q_lens = torch.tensor(extend_lens)
@@ -53,8 +55,8 @@ class AttentionMetadata:
         if custom_masks is not None:
             for b, custom in enumerate(custom_masks):
                 if custom is not None:
-                    n, p = extend_lens[b], int(prefix[b])
-                    mask[b, :n, p:p + n] = custom
+                    n, end = extend_lens[b], seq_lens[b]
+                    mask[b, :n, end - custom.shape[1]:end] = custom
         # Padded query rows see position 0 only, so softmax stays finite; their output is dropped.
         mask[:, :, 0] |= ~valid_q
         kv_slots = req_to_token[rows][:, :max_kv]

@@ -18,6 +18,8 @@ from refengine.memory.kv_pool import KVPool
 from refengine.model.attention import AttentionMetadata, paged_attention
 from refengine.model.loader import ModelConfig, check_model_dir, load_config, load_weights
 
+ROTARY_HEADROOM = 256
+
 
 @dataclass
 class ForwardBatch:
@@ -119,7 +121,7 @@ class LlamaBody(nn.Module):
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor          # [len(logits_index), vocab], float32
-    hidden: torch.Tensor          # [tokens, hidden]: last layer's output before the final norm
+    features: torch.Tensor        # [tokens, hidden]: final-norm outputs (what the LM head reads)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -128,15 +130,18 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaBody(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        # Speculative steps address up to num_draft_tokens positions past the context end
+        # before the length check trims the run, so the table has head-room.
+        self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings + ROTARY_HEADROOM,
+                             cfg.rope_theta)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool) -> ForwardOutput:
         x = self.model.embed_tokens(batch.input_ids)
         for layer in self.model.layers:
             x = layer(x, batch, kv, self.rotary)
-        logits = self.lm_head(self.model.norm(x[batch.logits_index]))
-        return ForwardOutput(logits.float(), x)
+        features = self.model.norm(x)
+        return ForwardOutput(self.lm_head(features[batch.logits_index]).float(), features)
 
     @classmethod
     def load(cls, path: Path, dtype: torch.dtype, device: str) -> LlamaForCausalLM:

@@ -1,0 +1,1 @@
+"""Tree kernels: torch references (the CPU path) and Triton kernels checked against them."""

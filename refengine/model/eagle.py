@@ -1,0 +1,71 @@
+"""The EAGLE draft head: ``fc`` over [embedding; feature], one decoder layer, a norm.
+
+Checkpoint layout (``config.json`` with ``architectures: ["LlamaForCausalLMEagle"]``):
+``fc.weight [H, 2H]``, ``layers.0.*`` (a Llama decoder layer, HF names), ``norm.weight``.
+The token embedding, the LM head and the rotary tables are the target's (shared, not stored).
+
+Semantics: a row at position p takes the target's feature ``f_p`` (its final-norm output, what
+the LM head reads) and the token ``x_{p+1}``, writes the draft's KV for position p, and predicts
+``f_{p+1}``; the shared LM head turns that into the distribution of ``x_{p+2}``. During drafting
+the head is fed its own predicted features.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from refengine.memory.kv_pool import KVPool
+from refengine.model.llama import DecoderLayer, ForwardBatch, LlamaForCausalLM, RMSNorm
+from refengine.model.loader import ModelConfig, load_weights
+
+EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
+
+
+class EagleDraftModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, target: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, 0)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Shared with the target. Set past nn.Module.__setattr__ so they are not registered as
+        # submodules: they belong to the target's parameters, not the head's state dict.
+        object.__setattr__(self, "_embed", target.model.embed_tokens)
+        object.__setattr__(self, "_lm_head", target.lm_head)
+        object.__setattr__(self, "_rotary", target.rotary)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, features: torch.Tensor, kv: KVPool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits [len(logits_index), vocab] float32, predicted features [tokens, H])."""
+        x = self.fc(torch.cat([self._embed(batch.input_ids), features.to(self.fc.weight.dtype)],
+                              dim=-1))
+        x = self.layers[0](x, batch, kv, self._rotary)
+        predicted = self.norm(x)
+        return self._lm_head(predicted[batch.logits_index]).float(), predicted
+
+    @classmethod
+    def load(cls, path: Path, target: LlamaForCausalLM, dtype: torch.dtype,
+             device: str) -> EagleDraftModel:
+        for name in ("config.json", "model.safetensors"):
+            if not (path / name).is_file():
+                raise FileNotFoundError(f"draft model directory {path} is missing {name}")
+        raw = json.loads((path / "config.json").read_text())
+        if EAGLE_ARCHITECTURE not in raw.get("architectures", []):
+            raise ValueError(f"{path / 'config.json'}: architectures must include "
+                             f"{EAGLE_ARCHITECTURE!r}, got {raw.get('architectures')}")
+        cfg = ModelConfig.from_dict(raw, path / "config.json")
+        tcfg = target.config
+        if (cfg.hidden_size, cfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
+            raise ValueError(f"{path}: draft hidden/vocab {cfg.hidden_size}/{cfg.vocab_size} do "
+                             f"not match the target's {tcfg.hidden_size}/{tcfg.vocab_size}")
+        model = cls(cfg, target).to(dtype)
+        missing, unexpected = model.load_state_dict(load_weights(path, dtype), strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{path / 'model.safetensors'}: not an EAGLE head (missing "
+                             f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+        return model.to(device).eval()

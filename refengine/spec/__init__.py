@@ -1,0 +1,1 @@
+"""Speculative decoding: phase inputs, the EAGLE V1 worker, tree sampling verify."""

@@ -1,0 +1,217 @@
+"""EAGLE V1 (sequential): draft -> verify -> draft-extend, one decode step at a time.
+
+Positions: a decoding request with ``s = kv_committed_len`` has its root (the newest emitted
+token, ``verified_id``) at position ``s``; its KV is written by this step's verify.
+
+* draft: ``S - 1`` forwards of the draft head over a beam of ``k`` nodes per request. Step-i
+  nodes sit at position ``s + i - 1`` and write scratch KV at row positions
+  ``s + (i-1)k .. s + ik - 1``; each attends to the committed prefix and to its own ancestors'
+  scratch entries. The scratch pages come from the allocator under backup/restore, so drafting
+  leaves the pool exactly as it found it. The best ``N - 1`` of all candidates by path score
+  form the tree (``kernels.tree_reference``).
+* verify: ``N`` slots per request at positions ``s .. s+N-1`` (root + drafts, positions
+  ``s + depth``), one tree-masked target forward, then a greedy walk or tree speculative
+  sampling per request.
+* commit (after the engine's per-token finish checks): accepted nodes' KV moves to the
+  contiguous positions ``s+1 ..``, ``committed += accepted + 1``, slots past it are freed
+  (whole pages only).
+* draft-extend: the head over the accepted positions (``f_p``, ``x_{p+1}``) writes its KV and
+  yields the next ``DraftInput``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from refengine.config import SpecConfig
+from refengine.kernels.tree_reference import (
+    build_tree_reference,
+    select_candidates,
+    verify_tree_greedy_reference,
+)
+from refengine.memory.manager import KVManager
+from refengine.model.attention import AttentionMetadata
+from refengine.model.eagle import EagleDraftModel
+from refengine.model.llama import ForwardBatch, LlamaForCausalLM
+from refengine.request import Req
+from refengine.sampler import sampling_probs
+from refengine.spec.inputs import DraftExtendInput, DraftInput, VerifyInput
+from refengine.spec.verify import verify_tree_sampling
+
+
+@dataclass
+class VerifyOutcome:
+    """Per request: accepted nodes (root first) and the tokens they emit (drafts + bonus)."""
+
+    nodes: list[list[int]]
+    emitted: list[list[int]]
+    features: torch.Tensor       # [b, N, H] target features at every tree node
+    verify_input: VerifyInput
+
+
+def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = torch.topk(probs, k, dim=-1)
+    return top.values, top.indices
+
+
+class EagleWorker:
+    def __init__(self, spec: SpecConfig, target: LlamaForCausalLM, draft: EagleDraftModel,
+                 kv: KVManager) -> None:
+        self.spec = spec
+        self.target = target
+        self.draft_model = draft
+        self.kv = kv
+
+    @property
+    def hidden_size(self) -> int:
+        return self.target.config.hidden_size
+
+    def idle_input(self) -> DraftInput:
+        return DraftInput.idle(self.spec.topk, self.hidden_size,
+                               self.target.lm_head.weight.dtype)
+
+    # --- prefill: the draft over the prompt ---------------------------------------------------
+
+    def draft_prefill(self, fb: ForwardBatch, features: torch.Tensor, next_ids: torch.Tensor,
+                      last_rows: torch.Tensor, roots: torch.Tensor) -> DraftInput:
+        """Run the head over a target prefill batch. ``next_ids[t]`` is the token after flat
+        token t (the next prompt token, or the sampled one at a prompt's end); ``last_rows`` are
+        the flat rows of requests whose prompt completed (their new draft state)."""
+        draft_fb = ForwardBatch(next_ids, fb.positions, fb.out_slots, fb.attention, last_rows)
+        logits, predicted = self.draft_model(draft_fb, features, self.kv.draft_kv)
+        topk_p, topk_index = _topk(logits, self.spec.topk)
+        return DraftInput(topk_p, topk_index, predicted[last_rows], roots)
+
+    # --- draft ----------------------------------------------------------------------------------
+
+    def draft(self, reqs: list[Req], din: DraftInput) -> VerifyInput:
+        k, steps, n = self.spec.topk, self.spec.num_steps, self.spec.num_draft_tokens
+        b = len(reqs)
+        seq = torch.tensor([r.kv_committed_len for r in reqs])
+        rows = torch.tensor([r.row for r in reqs])
+        scores = [din.topk_p]                    # candidate path scores, flat per step
+        cand_tokens = [din.topk_index]
+        cand_parents = [torch.full((b, k), -1, dtype=torch.int64)]
+        beam_tokens, beam_scores = din.topk_index, din.topk_p
+        beam_feat = din.hidden_states[:, None, :].expand(b, k, -1)
+        beam_flat = torch.arange(k).expand(b, k)
+        scratch = k * (steps - 1)
+        ancestors = torch.zeros((b, k, max(scratch, 1)), dtype=torch.bool)
+        if scratch:
+            state = self.kv.allocator.backup_state()
+            allocated = [r.kv_allocated_len for r in reqs]
+            for r in reqs:
+                self.kv.extend(r, scratch)
+        offset = k
+        for i in range(1, steps):
+            own = torch.arange((i - 1) * k, i * k)
+            node_mask = ancestors.clone()
+            node_mask[:, torch.arange(k), own] = True
+            width = i * k
+            meta = AttentionMetadata.build(self.kv.rows.table, rows, [k] * b,
+                                           (seq + width).tolist(),
+                                           [node_mask[r, :, :width] for r in range(b)])
+            slots = self.kv.rows.table[rows[:, None], seq[:, None] + own[None, :]]
+            fb = ForwardBatch(beam_tokens.reshape(-1), (seq + i - 1).repeat_interleave(k),
+                              slots.reshape(-1), meta, torch.arange(b * k))
+            logits, predicted = self.draft_model(fb, beam_feat.reshape(b * k, -1),
+                                                 self.kv.draft_kv)
+            child_p, child_tok = _topk(logits, k)                      # [b*k, k]
+            child_scores = (beam_scores[:, :, None] * child_p.view(b, k, k)).reshape(b, k * k)
+            scores.append(child_scores)
+            cand_tokens.append(child_tok.view(b, k * k))
+            cand_parents.append(beam_flat.repeat_interleave(k, dim=1))
+            pick = torch.sort(-child_scores, dim=-1, stable=True).indices[:, :k]  # next beam
+            parent_slot = pick // k
+            beam_tokens = torch.gather(child_tok.view(b, k * k), 1, pick)
+            beam_scores = torch.gather(child_scores, 1, pick)
+            beam_feat = torch.gather(predicted.view(b, k, -1), 1,
+                                     parent_slot[:, :, None].expand(-1, -1, predicted.shape[-1]))
+            beam_flat = offset + pick
+            ancestors = torch.gather(node_mask, 1,
+                                     parent_slot[:, :, None].expand(-1, -1, node_mask.shape[-1]))
+            offset += k * k
+        if scratch:
+            self.kv.allocator.restore_state(state)
+            for r, a in zip(reqs, allocated, strict=True):
+                r.kv_allocated_len = a
+        all_scores = torch.cat(scores, dim=1)
+        selected = select_candidates(all_scores, n)
+        tree = build_tree_reference(din.verified_id, torch.cat(cand_tokens, dim=1),
+                                    torch.cat(cand_parents, dim=1), selected)
+        flat = torch.arange(b)[:, None] * n + torch.arange(n)[None, :]
+        return VerifyInput(tree.tokens, tree.mask, seq[:, None] + tree.depth, tree.parents,
+                           flat, tree.next_token, tree.next_sibling)
+
+    # --- verify -----------------------------------------------------------------------------
+
+    def verify(self, reqs: list[Req], vin: VerifyInput) -> VerifyOutcome:
+        n = self.spec.num_draft_tokens
+        b = len(reqs)
+        rows = torch.tensor([r.row for r in reqs])
+        seq = [r.kv_committed_len for r in reqs]
+        slots = torch.stack([self.kv.extend(r, n) for r in reqs])
+        meta = AttentionMetadata.build(self.kv.rows.table, rows, [n] * b,
+                                       [s + n for s in seq], list(vin.tree_mask))
+        fb = ForwardBatch(vin.draft_tokens.reshape(-1), vin.positions.reshape(-1),
+                          slots.reshape(-1), meta, torch.arange(b * n))
+        out = self.target(fb, self.kv.kv)
+        logits = out.logits.view(b, n, -1)
+        greedy = verify_tree_greedy_reference(vin.draft_tokens, vin.retrieve_next_token,
+                                              vin.retrieve_next_sibling,
+                                              torch.argmax(logits, dim=-1), self.spec.num_steps)
+        nodes, emitted = [], []
+        for i, req in enumerate(reqs):
+            if req.params.greedy:
+                a = int(greedy.accept_len[i])
+                path = greedy.accept_index[i, : a + 1].tolist()
+                bonus = int(greedy.bonus[i])
+            else:
+                sampled = verify_tree_sampling(
+                    vin.draft_tokens[i].tolist(), vin.retrieve_next_token[i].tolist(),
+                    vin.retrieve_next_sibling[i].tolist(), sampling_probs(logits[i], req.params),
+                    self.spec.num_steps, req.seed, len(req.output_ids))
+                path, bonus = sampled.nodes, sampled.bonus
+            nodes.append(path)
+            emitted.append([int(vin.draft_tokens[i, j]) for j in path[1:]] + [bonus])
+        return VerifyOutcome(nodes, emitted, out.features.view(b, n, -1), vin)
+
+    def commit(self, req: Req, nodes: list[int]) -> None:
+        """Keep the accepted run's KV at positions s .. s+a and free the rest of the block."""
+        s = req.kv_committed_len
+        src = self.kv.rows.table[req.row, [s + j for j in nodes]]
+        dst = self.kv.rows.table[req.row, s: s + len(nodes)]
+        if not torch.equal(src, dst):  # a tree path is not a prefix of the block: move its KV
+            self.kv.kv.k[:, dst] = self.kv.kv.k[:, src]
+            self.kv.kv.v[:, dst] = self.kv.kv.v[:, src]
+        req.kv_committed_len = s + len(nodes)
+        self.kv.truncate(req, req.kv_committed_len)
+
+    def extend_input(self, outcome: VerifyOutcome, keep: list[int]) -> DraftExtendInput:
+        """Rows of the requests ``keep`` (unfinished after verify), in that order."""
+        if not keep:
+            return DraftExtendInput.idle(self.hidden_size, outcome.features.dtype)
+        feats = [outcome.features[i, outcome.nodes[i]] for i in keep]
+        ids = [torch.tensor(outcome.emitted[i]) for i in keep]
+        return DraftExtendInput(torch.cat(feats), torch.cat(ids),
+                                torch.tensor([len(outcome.nodes[i]) for i in keep]))
+
+    # --- draft-extend -----------------------------------------------------------------------
+
+    def draft_extend(self, reqs: list[Req], ext: DraftExtendInput) -> DraftInput:
+        """The head over each request's accepted positions (already committed)."""
+        lens = ext.accept_lens.tolist()
+        rows = torch.tensor([r.row for r in reqs])
+        ends = [r.kv_committed_len for r in reqs]
+        positions = torch.cat([torch.arange(e - n, e) for e, n in zip(ends, lens, strict=True)])
+        slots = torch.cat([self.kv.rows.table[r.row, e - n: e]
+                           for r, e, n in zip(reqs, ends, lens, strict=True)])
+        last = torch.cumsum(ext.accept_lens, 0) - 1
+        meta = AttentionMetadata.build(self.kv.rows.table, rows, lens, ends)
+        fb = ForwardBatch(ext.input_ids, positions, slots, meta, last)
+        logits, predicted = self.draft_model(fb, ext.hidden_states, self.kv.draft_kv)
+        topk_p, topk_index = _topk(logits, self.spec.topk)
+        return DraftInput(topk_p, topk_index, predicted[last], ext.input_ids[last])

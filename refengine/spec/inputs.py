@@ -1,0 +1,127 @@
+"""Phase-separated speculative inputs (seed 002): one type per phase, never one object whose
+fields change meaning between phases.
+
+Shapes (``b`` requests, ``k`` = topk, ``N`` = num_draft_tokens incl. the root, ``H`` hidden):
+
+* ``DraftInput`` — the batch's persistent spec state between steps, one row per request:
+  ``topk_p [b, k] float32``, ``topk_index [b, k] int64`` (candidates for the token after the
+  root), ``hidden_states [b, H]`` (the draft's predicted feature at the root's position),
+  ``verified_id [b] int64`` (the root: the newest emitted token, whose KV is not yet written).
+  It follows the batch through ``filter_batch`` (finish, abort, retract) and ``merge_batch``
+  (newly prefilled requests); every per-request tensor is filtered and merged together.
+* ``VerifyInput`` — lives inside one step only, so it has no filter/merge (seed 000: a leftover
+  VerifyInput on the batch crashed the next merge): ``draft_tokens [b, N]`` (node 0 = root),
+  ``tree_mask [b, N, N]`` (node i sees itself and its ancestors), ``positions [b, N]`` (
+  ``seq_len + depth``), ``parents [b, N]`` (-1 for the root), ``retrieve_index [b, N]``
+  (flat row ``i * N + node``), ``retrieve_next_token [b, N]`` (first child, -1 none),
+  ``retrieve_next_sibling [b, N]`` (next sibling, -1 none).
+* ``DraftExtendInput`` — what verify hands to draft-extend, rows for unfinished requests only,
+  ragged: ``hidden_states [T, H]`` (target features at accepted nodes), ``input_ids [T]`` (the
+  token after each accepted node), ``accept_lens [b']`` (``T = sum(accept_lens)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+def _rows(tensor: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return tensor.index_select(0, keep)
+
+
+@dataclass
+class DraftInput:
+    topk_p: torch.Tensor
+    topk_index: torch.Tensor
+    hidden_states: torch.Tensor
+    verified_id: torch.Tensor
+
+    def __post_init__(self) -> None:
+        b = self.verified_id.shape[0]
+        for f in fields(self):
+            t = getattr(self, f.name)
+            if t.shape[0] != b:
+                raise ValueError(f"DraftInput.{f.name} has {t.shape[0]} rows, expected {b}")
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.verified_id.shape[0])
+
+    @classmethod
+    def idle(cls, topk: int, hidden_size: int, dtype: torch.dtype) -> DraftInput:
+        """Zero rows, correct dtypes and trailing shapes: a valid empty draft state."""
+        return cls(topk_p=torch.empty((0, topk), dtype=torch.float32),
+                   topk_index=torch.empty((0, topk), dtype=torch.int64),
+                   hidden_states=torch.empty((0, hidden_size), dtype=dtype),
+                   verified_id=torch.empty((0,), dtype=torch.int64))
+
+    def filter_batch(self, keep: torch.Tensor) -> DraftInput:
+        """Rows ``keep`` (int64 indices, in the new batch order), every tensor together."""
+        return DraftInput(**{f.name: _rows(getattr(self, f.name), keep) for f in fields(self)})
+
+    def merge_batch(self, other: DraftInput) -> DraftInput:
+        """This batch's rows followed by ``other``'s."""
+        return DraftInput(**{f.name: torch.cat([getattr(self, f.name), getattr(other, f.name)])
+                             for f in fields(self)})
+
+
+@dataclass
+class VerifyInput:
+    draft_tokens: torch.Tensor
+    tree_mask: torch.Tensor
+    positions: torch.Tensor
+    parents: torch.Tensor
+    retrieve_index: torch.Tensor
+    retrieve_next_token: torch.Tensor
+    retrieve_next_sibling: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.draft_tokens.shape[0])
+
+    @classmethod
+    def idle(cls, num_draft_tokens: int) -> VerifyInput:
+        n = num_draft_tokens
+        empty = torch.empty((0, n), dtype=torch.int64)
+        return cls(empty, torch.empty((0, n, n), dtype=torch.bool), empty.clone(),
+                   empty.clone(), empty.clone(), empty.clone(), empty.clone())
+
+
+@dataclass
+class DraftExtendInput:
+    hidden_states: torch.Tensor
+    input_ids: torch.Tensor
+    accept_lens: torch.Tensor
+
+    def __post_init__(self) -> None:
+        total = int(self.accept_lens.sum()) if self.accept_lens.numel() else 0
+        if self.hidden_states.shape[0] != total or self.input_ids.shape[0] != total:
+            raise ValueError(f"DraftExtendInput: {self.hidden_states.shape[0]} hidden rows and "
+                             f"{self.input_ids.shape[0]} ids for accept_lens summing to {total}")
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.accept_lens.shape[0])
+
+    @classmethod
+    def idle(cls, hidden_size: int, dtype: torch.dtype) -> DraftExtendInput:
+        return cls(torch.empty((0, hidden_size), dtype=dtype), torch.empty((0,), dtype=torch.int64),
+                   torch.empty((0,), dtype=torch.int64))
+
+    def _offsets(self) -> torch.Tensor:
+        return torch.cumsum(self.accept_lens, 0) - self.accept_lens
+
+    def filter_batch(self, keep: torch.Tensor) -> DraftExtendInput:
+        starts, lens = self._offsets()[keep], self.accept_lens[keep]
+        token_rows = (torch.cat([torch.arange(s, s + n) for s, n in
+                                 zip(starts.tolist(), lens.tolist(), strict=True)])
+                      if len(keep) else torch.empty((0,), dtype=torch.int64))
+        return DraftExtendInput(_rows(self.hidden_states, token_rows),
+                                _rows(self.input_ids, token_rows), lens)
+
+    def merge_batch(self, other: DraftExtendInput) -> DraftExtendInput:
+        return DraftExtendInput(torch.cat([self.hidden_states, other.hidden_states]),
+                                torch.cat([self.input_ids, other.input_ids]),
+                                torch.cat([self.accept_lens, other.accept_lens]))
