@@ -37,6 +37,9 @@ class Capabilities:
     reference_draft: bool = False
     worker_hooks: bool = False
     graph_runner: bool = False
+    # Extensions beyond DESIGN §2.3 (docs/decisions.md):
+    forced_retract: bool = False     # honours OpenConfig.retract_every (a test hook)
+    kernels: bool = False            # exposes kernel_impls() for the kernel tier
 
     def __post_init__(self) -> None:
         unknown = set(self.algorithms) - ALGORITHMS
@@ -74,6 +77,7 @@ class OpenConfig:
     max_running_requests: int = 64
     max_prefill_tokens: int = 2048
     seed: int = 0
+    retract_every: int = 0  # test hook: retract the middle decoding request every N steps
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="gate: quick CI subset; full: every configuration")
     group.addoption("--specgate-model", default="tiny-code",
                     help="target model: a fixture name or an HF-format directory")
+    group.addoption("--specgate-draft-model", default=None,
+                    help="override the spec configurations' draft model (fixture or directory)")
     group.addoption("--specgate-results", default=None,
                     help="write per-check results (JSON) here")
 
@@ -102,6 +104,9 @@ def _context(config: pytest.Config) -> SuiteContext:
         try:
             backend = load_backend(name)
             spec = resolve_specs(config.getoption("--specgate-spec"))[0]
+            draft = config.getoption("--specgate-draft-model")
+            if draft:
+                spec = spec.with_draft_model(draft)
         except (BackendError, ValueError) as err:
             raise pytest.UsageError(str(err)) from None
         ctx = SuiteContext(name, backend, backend.capabilities(), spec,
@@ -123,7 +128,7 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
 
 
 def _requirements(item: pytest.Item, spec: SpecChoice) -> list[str]:
-    needs = [f"algorithm:{spec.algorithm}"]
+    needs = [f"algorithm:{spec.algorithm}"] + (["tree"] if spec.needs_tree else [])
     for mark in item.iter_markers("specgate_requires"):
         needs.extend(mark.args)
     return needs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from refengine.config import SpecConfig
 
@@ -14,11 +14,34 @@ class SpecChoice:
     configs: tuple[SpecConfig | None, ...]
     needs_tree: bool = False
 
+    def with_draft_model(self, draft_model: str) -> SpecChoice:
+        return replace(self, configs=tuple(
+            c if c is None else replace(c, draft_model=draft_model) for c in self.configs))
+
+
+def _eagle(steps: int, topk: int, tokens: int) -> SpecConfig:
+    return SpecConfig(algorithm="eagle", draft_model="tiny-code-eagle", num_steps=steps,
+                      topk=topk, num_draft_tokens=tokens)
+
 
 SPECS: dict[str, SpecChoice] = {
     "none": SpecChoice("none", "none", (None,)),
+    # The configurations the issue pins: chain (S=3,N=4), (S=5,N=6); tree (S=3,k=4,N=8),
+    # (S=5,k=8,N=16). The first of each is the one single-config checks use.
+    "eagle": SpecChoice("eagle", "eagle", (_eagle(3, 1, 4), _eagle(5, 1, 6))),
+    "eagle-tree": SpecChoice("eagle-tree", "eagle", (_eagle(3, 4, 8), _eagle(5, 8, 16)),
+                             needs_tree=True),
 }
-PLANNED = ("eagle", "eagle-tree", "eagle-v2", "mtp")  # named in DESIGN §2.2, not built yet
+PLANNED = ("eagle-v2", "mtp")  # named in DESIGN §2.2, not built yet
+
+
+def config_id(config: SpecConfig | None) -> str:
+    """A short stable name for a configuration: ``plain``, ``chain-s3-n4``, ``tree-s3-k4-n8``."""
+    if config is None:
+        return "plain"
+    if config.topk == 1:
+        return f"chain-s{config.num_steps}-n{config.num_draft_tokens}"
+    return f"tree-s{config.num_steps}-k{config.topk}-n{config.num_draft_tokens}"
 
 
 def resolve_specs(name: str) -> list[SpecChoice]:

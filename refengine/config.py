@@ -130,6 +130,7 @@ class EngineConfig:
     strict_mem_check: bool = True
     cuda_graph: bool = False
     seed: int = 0
+    retract_every: int = 0  # test hook: retract the middle decoding request every N decode steps
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and bool(self.model), "model",
@@ -153,6 +154,8 @@ class EngineConfig:
                  f"must be a bool, got {self.strict_mem_check!r}")
         _require(_is_int(self.seed) and self.seed >= 0, "seed",
                  f"must be an integer >= 0, got {self.seed!r}")
+        _require(_is_int(self.retract_every) and self.retract_every >= 0, "retract_every",
+                 f"must be an integer >= 0 (0 = off), got {self.retract_every!r}")
         _require(not self.cuda_graph, "cuda_graph",
                  "the graph runner is not implemented yet; use cuda_graph=False")
         if self.spec is not None:

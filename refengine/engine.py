@@ -71,7 +71,7 @@ class Engine:
             spec, self.model, draft, self.kv)
         self.draft_state = None if self.worker is None else DraftState(self.worker.idle_input())
         self.scheduler = self.scheduler_class(self.kv, config.max_running_requests,
-                                   config.max_prefill_tokens)
+                                              config.max_prefill_tokens, config.retract_every)
         self._live: dict[str, Req] = {}
         self._pending: list[Event] = []
         self._arrivals = 0
@@ -165,6 +165,22 @@ class Engine:
                     done[ev.rid] = RequestOutput(ev.rid, prompt_ids[ev.rid], list(ev.output_ids),
                                                  ev.text, ev.reason, list(ev.accept_lens))
         return [done[r] for r in rids]
+
+    def next_token_logits(self, prompt: Prompt) -> torch.Tensor:
+        """The target's float32 logits after ``prompt``: a scoring prefill that leaves the engine
+        exactly as it found it (its row and slots are released before returning)."""
+        ids = self.tokenize(prompt)
+        req = Req("__score__", ids, SamplingParams(max_new_tokens=1), 0, -1)
+        if not self.kv.assign_row(req):
+            raise RuntimeError("next_token_logits: no free request row")
+        try:
+            n = len(ids)
+            fb = ForwardBatch(torch.tensor(ids), torch.arange(n), self.kv.extend(req, n),
+                              self._attention_metadata(torch.tensor([req.row]), [n], [n]),
+                              torch.tensor([n - 1]))
+            return self.model(fb, self.kv.kv).logits[0]
+        finally:
+            self.kv.release(req)
 
     def memory(self) -> MemoryView:
         return self.kv.view(list(self._live.values()), self.reserve_bound)

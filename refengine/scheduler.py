@@ -8,6 +8,8 @@ Policy (sglang's, simplified):
 - otherwise every decoding request advances one token; if the pool cannot give each one a slot,
   the newest requests are retracted (KV and row freed, output kept, re-queued at the front)
   until it can.
+- test hook ``retract_every = n``: every n-th decode step retracts the middle decoding request
+  first (sglang's forced-retract hook; the middle row is the one positional filters get wrong).
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_running_requests: int, max_prefill_tokens: int) -> None:
+    def __init__(self, kv: KVManager, max_running_requests: int, max_prefill_tokens: int,
+                 retract_every: int = 0) -> None:
         self.kv = kv
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
+        self.retract_every = retract_every
+        self.decode_steps = 0
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []   # PREFILL (chunk in progress) and DECODE requests
 
@@ -85,16 +90,20 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         retracted: list[Req] = []
+        decoding = [r for r in self.running if r.status is ReqStatus.DECODE]
+        if decoding:
+            self.decode_steps += 1
+            if self.retract_every and self.decode_steps % self.retract_every == 0:
+                retracted.append(self._retract(decoding[len(decoding) // 2]))
         while True:
             decoding = [r for r in self.running if r.status is ReqStatus.DECODE]
             if not decoding:
                 return ScheduledBatch("decode", [], [], retracted) if retracted else None
             if self.kv.can_extend([(r, 1) for r in decoding]):
                 return ScheduledBatch("decode", decoding, [1] * len(decoding), retracted)
-            retracted.append(self._retract_newest())
+            retracted.append(self._retract(max(self.running, key=lambda r: r.arrival)))
 
-    def _retract_newest(self) -> Req:
-        victim = max(self.running, key=lambda r: r.arrival)
+    def _retract(self, victim: Req) -> Req:
         self.running.remove(victim)
         self.kv.release(victim)
         victim.status = ReqStatus.WAITING

@@ -62,9 +62,9 @@ class AbortLeaksRow(Engine):
 
 
 class _RetractKeepsCommitted(Scheduler):
-    def _retract_newest(self) -> Req:
-        committed = max(self.running, key=lambda r: r.arrival).kv_committed_len
-        victim = super()._retract_newest()
+    def _retract(self, victim: Req) -> Req:
+        committed = victim.kv_committed_len
+        super()._retract(victim)
         victim.kv_committed_len = committed  # stale: the re-prefill skips what it "has"
         return victim
 

@@ -39,14 +39,16 @@ class RefEngineBackend:
     engine_class: type[Engine] = Engine  # the bug zoo swaps in mutant subclasses
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(algorithms=frozenset({"none"}), sampling=True, stepwise=True,
-                            abort=True, memory_view=True)
+        return Capabilities(algorithms=frozenset({"none", "eagle"}), tree=True, sampling=True,
+                            stepwise=True, abort=True, memory_view=True, acceptance_stats=True,
+                            reference_draft=True, forced_retract=True)
 
     def open(self, cfg: OpenConfig) -> RefEngineHandle:
         return RefEngineHandle(self.engine_class(EngineConfig(
             model=cfg.model, spec=cfg.spec, kv_pool_tokens=cfg.kv_pool_tokens,
             page_size=cfg.page_size, max_running_requests=cfg.max_running_requests,
-            max_prefill_tokens=cfg.max_prefill_tokens, seed=cfg.seed, strict_mem_check=True)))
+            max_prefill_tokens=cfg.max_prefill_tokens, seed=cfg.seed, strict_mem_check=True,
+            retract_every=cfg.retract_every)))
 
 
 def backend() -> RefEngineBackend:
