@@ -97,7 +97,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(ResultCollector(config), "specgate-results")
 
 
-def _context(config: pytest.Config) -> SuiteContext:
+def context(config: pytest.Config) -> SuiteContext:
     ctx = getattr(config, "_specgate_ctx", None)
     if ctx is None:
         name = _backend_name(config)
@@ -120,7 +120,7 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     if not (config.getoption("--specgate-backend") or os.environ.get("SPECGATE_BACKEND")
             or config.getoption("--specgate-results")):
         return None
-    ctx = _context(config)
+    ctx = context(config)
     claimed = ", ".join(f"{k}={v}" for k, v in ctx.caps.as_dict().items())
     return [f"specgate: backend {ctx.backend_name} ({ctx.backend.name} {ctx.backend.version}); "
             f"spec {ctx.spec.name}; profile {ctx.profile.name}",
@@ -138,7 +138,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     suite_items = [i for i in items if i.get_closest_marker("specgate_tier")]
     if not suite_items:
         return
-    ctx = _context(config)
+    ctx = context(config)
     for item in suite_items:
         tier = item.get_closest_marker("specgate_tier").args[0]
         needs = _requirements(item, ctx.spec)
@@ -152,7 +152,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def sg(request: pytest.FixtureRequest) -> SuiteContext:
     """The suite context: backend under test, its capabilities, spec, profile, oracle."""
-    return _context(request.config)
+    return context(request.config)
 
 
 def _outcome(report: pytest.TestReport) -> str:
@@ -210,7 +210,7 @@ class ResultCollector:
             if reporter is not None:
                 reporter.write_line(f"specgate: vacuous run refused: {vacuous}", red=True)
         if results_path:
-            ctx = _context(self.config)
+            ctx = context(self.config)
             Path(results_path).write_text(json.dumps({
                 "backend": {"name": ctx.backend.name, "version": ctx.backend.version,
                             "resolved_from": ctx.backend_name},

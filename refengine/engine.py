@@ -70,8 +70,11 @@ class Engine:
         self.worker = None if spec is None or draft is None else self.worker_class(
             spec, self.model, draft, self.kv)
         self.draft_state = None if self.worker is None else DraftState(self.worker.idle_input())
+        self.decode_tokens = 1 if spec is None else max(spec.num_draft_tokens,
+                                                        spec.topk * (spec.num_steps - 1))
         self.scheduler = self.scheduler_class(self.kv, config.max_running_requests,
-                                              config.max_prefill_tokens, config.retract_every)
+                                              config.max_prefill_tokens, config.retract_every,
+                                              self.decode_tokens)
         self._live: dict[str, Req] = {}
         self._pending: list[Event] = []
         self._arrivals = 0
@@ -103,8 +106,8 @@ class Engine:
         if len(ids) >= self.max_context_len:
             raise ValueError(f"prompt: {len(ids)} tokens exceed the context length "
                              f"{self.max_context_len} (room for at least one new token needed)")
-        need = ceil_page(min(len(ids) + params.max_new_tokens, self.max_context_len),
-                         self.kv.page_size)
+        need = ceil_page(min(len(ids) + params.max_new_tokens, self.max_context_len)
+                         + self.decode_tokens, self.kv.page_size)
         if need > self.kv.capacity:
             raise ValueError(f"kv_pool_tokens: request {rid!r} needs up to {need} KV slots "
                              f"(prompt {len(ids)} + max_new_tokens {params.max_new_tokens}) but "

@@ -3,11 +3,12 @@
 Policy (sglang's, simplified):
 - prefill first: a chunked prefill in progress continues; otherwise waiting requests are
   admitted in queue order while rows, ``max_running_requests``, the per-step token budget and
-  free KV (keeping one page of head-room per decoding request) allow. A prompt larger than the
-  budget is prefilled in chunks, one chunked request at a time;
-- otherwise every decoding request advances one token; if the pool cannot give each one a slot,
-  the newest requests are retracted (KV and row freed, output kept, re-queued at the front)
-  until it can.
+  free KV (keeping each decoding request's next-step need as head-room) allow. A prompt
+  larger than the budget is prefilled in chunks, one chunked request at a time;
+- otherwise every decoding request advances; a decode step needs ``decode_tokens`` slots per
+  request (1 plain; under speculation the verify block or the draft scratch, whichever is
+  larger). If the pool cannot give each request that, the newest requests are retracted (KV
+  and row freed, output kept, re-queued at the front) until it can.
 - test hook ``retract_every = n``: every n-th decode step retracts the middle decoding request
   first (sglang's forced-retract hook; the middle row is the one positional filters get wrong).
 """
@@ -32,8 +33,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_running_requests: int, max_prefill_tokens: int,
-                 retract_every: int = 0) -> None:
+                 retract_every: int = 0, decode_tokens: int = 1) -> None:
         self.kv = kv
+        self.decode_tokens = decode_tokens
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.retract_every = retract_every
@@ -59,8 +61,8 @@ class Scheduler:
         budget = self.max_prefill_tokens
         reqs: list[Req] = []
         lens: list[int] = []
-        decoding = sum(r.status is ReqStatus.DECODE for r in self.running)
-        head_room = decoding  # one page per decoding request for its next token
+        head_room = sum(self.kv.pages_needed(r, self.decode_tokens)
+                        for r in self.running if r.status is ReqStatus.DECODE)
         chunked = [r for r in self.running if r.status is ReqStatus.PREFILL]
         candidates = chunked + list(self.waiting)
         for req in candidates:
@@ -99,7 +101,7 @@ class Scheduler:
             decoding = [r for r in self.running if r.status is ReqStatus.DECODE]
             if not decoding:
                 return ScheduledBatch("decode", [], [], retracted) if retracted else None
-            if self.kv.can_extend([(r, 1) for r in decoding]):
+            if self.kv.can_extend([(r, self.decode_tokens) for r in decoding]):
                 return ScheduledBatch("decode", decoding, [1] * len(decoding), retracted)
             retracted.append(self._retract(max(self.running, key=lambda r: r.arrival)))
 

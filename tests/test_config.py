@@ -47,7 +47,8 @@ ENGINE_BAD: list[tuple[str, Any]] = [
     ("strict_mem_check", 1), ("strict_mem_check", "yes"), ("strict_mem_check", None),
     ("cuda_graph", True), ("cuda_graph", 1),
     ("seed", -1), ("seed", 0.5), ("seed", False), ("seed", None),
-    ("spec", SpecConfig()),  # valid settings, but speculative decoding is not implemented yet
+    # Valid SpecConfigs the engine does not implement yet.
+    ("spec", SpecConfig(algorithm="frozen_kv_mtp")), ("spec", SpecConfig(overlap=True)),
 ]
 
 

@@ -100,6 +100,25 @@ def test_greedy_with_staggered_arrivals(random_model_dir: Path,
     assert_idle(engine)
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_next_token_logits_match_transformers(
+        random_model_dir: Path, reference: list[tuple[list[int], torch.Tensor]],
+        page_size: int) -> None:
+    """The scoring API: last-position logits of each prompt, engine left as it was."""
+    engine = make_engine(random_model_dir, page_size=page_size)
+    engine.add_request("busy", PROMPTS[2], GREEDY)  # scoring works beside a live request
+    run = Run()
+    run.step(engine)
+    before = engine.memory()
+    for prompt, (_, logits) in zip(PROMPTS, reference, strict=True):
+        ours = engine.next_token_logits(prompt)
+        assert float((ours - logits[0]).abs().max()) < LOGITS_TOL
+    assert engine.memory() == before
+    drive(engine, run=run)
+    assert run.tokens["busy"] == reference[2][0]  # the live request was not disturbed
+    assert_idle(engine)
+
+
 def test_generate_api_text_and_ids(random_model_dir: Path,
                                    hf_random_model: torch.nn.Module) -> None:
     engine = make_engine(random_model_dir)

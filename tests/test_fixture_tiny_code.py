@@ -79,6 +79,15 @@ def test_prompt_set(prompt_ids: dict[str, list[int]], engine: Engine) -> None:
     assert all(0 < len(ids) < engine.max_context_len - NEW_TOKENS for ids in prompt_ids.values())
 
 
+def test_next_token_logits_match_transformers(engine: Engine,
+                                             prompt_ids: dict[str, list[int]],
+                                             reference: Reference) -> None:
+    worst = max(float((engine.next_token_logits(ids) - reference[pid][1][0]).abs().max())
+                for pid, ids in prompt_ids.items())
+    assert worst < LOGITS_TOL
+    assert idle_error(engine.memory()) is None
+
+
 def test_matches_transformers_one_at_a_time(engine: Engine, prompt_ids: dict[str, list[int]],
                                             reference: Reference) -> None:
     recorder = LogitsRecorder(engine)

@@ -8,11 +8,15 @@ suite that cannot kill its mutants has no teeth. Wherever a backend is named, a 
 
 These model plain-decoding bug classes from production engines' catalogues
 (``../shared/reference``): leaked KV, leaked request rows, stale state after retraction,
-off-by-one length checks, dropped stop conditions, batch-dependent attention.
+off-by-one length checks, dropped stop conditions, batch-dependent attention; and one
+speculative-sampling bug (``biased_verify_sampler``), which only shows in the distribution of
+sampled tokens and is the distribution tier's negative control. A mutant with
+``requires_spec`` behaves exactly like the reference engine under plain decoding.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
@@ -22,7 +26,11 @@ from refengine import Engine
 from refengine.memory.manager import KVManager
 from refengine.model.attention import AttentionMetadata
 from refengine.request import FinishReason, Req
+from refengine.sampler import draw_generator, sampling_probs
 from refengine.scheduler import Scheduler
+from refengine.spec.eagle_v1 import EagleWorker, VerifyOutcome
+from refengine.spec.inputs import VerifyInput
+from refengine.spec.verify import SampledPath
 from refengine.stopping import finish_reason
 
 
@@ -107,10 +115,106 @@ class BatchLeaksAcrossRows(Engine):
         return meta
 
 
+# A draft tree as the verifier saw it: (path of tokens below the root, children's tokens in
+# sibling order) for every node, sorted; hashable, so identical trees count together.
+DraftTree = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+
+
+def draft_tree(tokens: list[int], next_token: list[int], next_sibling: list[int]) -> DraftTree:
+    """The tree of one request's ``VerifyInput`` row, by tokens instead of node indices."""
+    nodes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    stack: list[tuple[int, tuple[int, ...]]] = [(0, ())]
+    while stack:
+        node, path = stack.pop()
+        children = []
+        child = next_token[node]
+        while child != -1:
+            children.append(child)
+            child = next_sibling[child]
+        nodes.append((path, tuple(tokens[c] for c in children)))
+        stack.extend((c, (*path, tokens[c])) for c in children)
+    return tuple(sorted(nodes))
+
+
+def _sample_tree_residual_is_p(tokens: list[int], next_token: list[int],
+                               next_sibling: list[int], probs: torch.Tensor, max_depth: int,
+                               seed: int, first_position: int) -> SampledPath:
+    """``refengine.spec.verify.verify_tree_sampling`` with one line wrong: after every child is
+    rejected the bonus is drawn from ``p`` itself, the rejected children left in. A rejected
+    draft token can then come back as the bonus, so draft tokens are over-weighted: each child
+    ``c`` is emitted with ``p(c) + (1 - sum p(children)) p(c)`` instead of ``p(c)``."""
+    node, nodes = 0, [0]
+    for depth in range(max_depth + 1):
+        gen = draw_generator(seed, first_position + depth)
+        p = probs[node]
+        coin = float(torch.rand((), generator=gen, dtype=torch.float64))
+        below = 0.0
+        child = next_token[node] if depth < max_depth else -1
+        while child != -1:
+            mass = float(p[tokens[child]])
+            if coin < below + mass:
+                break
+            below += mass
+            child = next_sibling[child]
+        if child == -1:
+            bonus = int(torch.multinomial(p, 1, generator=gen))  # BUG: not p minus rejected
+            return SampledPath(nodes, bonus)
+        node = child
+        nodes.append(node)
+    raise AssertionError("unreachable: the depth limit always draws a bonus")
+
+
+class _ResidualIsP(EagleWorker):
+    """Verifies as the reference does, then re-samples every sampled request's path with the
+    biased sampler (the logits are recomputed from the verify features, bit for bit the same
+    matmul). Records each draft tree per root sequence in ``trees``, so the distribution tier
+    can derive this mutant's exact output distribution (its negative-control power)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.trees: dict[tuple[int, ...], Counter[DraftTree]] = {}
+
+    def verify(self, reqs: list[Req], vin: VerifyInput) -> VerifyOutcome:
+        outcome = super().verify(reqs, vin)
+        b, n = len(reqs), self.spec.num_draft_tokens
+        logits = None
+        for i, req in enumerate(reqs):
+            if req.params.greedy:
+                continue
+            if logits is None:
+                with torch.inference_mode():
+                    flat = self.target.lm_head(outcome.features.reshape(b * n, -1))
+                logits = flat.float().view(b, n, -1)
+            tokens = vin.draft_tokens[i].tolist()
+            next_token = vin.retrieve_next_token[i].tolist()
+            next_sibling = vin.retrieve_next_sibling[i].tolist()
+            root = (*req.prompt_ids, *req.output_ids)
+            self.trees.setdefault(root, Counter())[
+                draft_tree(tokens, next_token, next_sibling)] += 1
+            path = _sample_tree_residual_is_p(
+                tokens, next_token, next_sibling, sampling_probs(logits[i], req.params),
+                self.spec.num_steps, req.seed, len(req.output_ids))
+            outcome.nodes[i] = path.nodes
+            outcome.emitted[i] = [tokens[j] for j in path.nodes[1:]] + [path.bonus]
+        return outcome
+
+
+class BiasedVerifySampler(Engine):
+    """Speculative sampling draws the bonus after a rejection from the target distribution
+    itself instead of the residual without the rejected drafts: draft tokens are over-weighted.
+
+    Greedy output is untouched, every emitted token is in the support and each run is
+    reproducible; only the distribution of sampled tokens is wrong. Plain decoding (no
+    speculation) is exactly the reference engine's."""
+
+    worker_class = _ResidualIsP
+
+
 @dataclass(frozen=True)
 class Mutant:
     name: str
     engine_class: type[Engine]
+    requires_spec: bool = False  # the bug lives in speculative decoding: invisible under "none"
 
     @property
     def bug_class(self) -> str:
@@ -125,6 +229,7 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("max_new_tokens_off_by_one", MaxNewTokensOffByOne),
     Mutant("ignores_stop_token_ids", IgnoresStopTokenIds),
     Mutant("batch_leaks_across_rows", BatchLeaksAcrossRows),
+    Mutant("biased_verify_sampler", BiasedVerifySampler, requires_spec=True),
 ]}
 
 

@@ -6,15 +6,29 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
-from conformance.adapter import OpenConfig, SamplingParams
+import pytest
+
+from conformance.adapter import OpenConfig, SamplingParams, SpecConfig
 from conformance.driver import Driver, Outcome, step_budget
-from conformance.plugin import SuiteContext
+from conformance.plugin import SuiteContext, context
+from conformance.specs import config_id
+
+
+def parametrize_spec_configs(metafunc: pytest.Metafunc) -> None:
+    """For a suite module's ``pytest_generate_tests``: one case per configuration of the spec
+    being certified (``spec_config`` argument)."""
+    if "spec_config" in metafunc.fixturenames:
+        configs = context(metafunc.config).spec.configs
+        metafunc.parametrize("spec_config", configs, ids=[config_id(c) for c in configs])
 
 
 @contextmanager
-def open_driver(sg: SuiteContext, **limits: int) -> Iterator[Driver]:
-    """A fresh engine instance of the backend under test, with the spec being certified."""
-    cfg = replace(OpenConfig(model=sg.model, spec=sg.spec.configs[0]), **limits)
+def open_driver(sg: SuiteContext, spec: SpecConfig | str | None = "first",
+                **limits: int) -> Iterator[Driver]:
+    """A fresh engine instance of the backend under test. ``spec``: a configuration of the
+    spec being certified; by default its first one."""
+    chosen = sg.spec.configs[0] if spec == "first" else spec
+    cfg = replace(OpenConfig(model=sg.model, spec=chosen), **limits)
     handle = sg.backend.open(cfg)
     try:
         yield Driver(handle, sg.caps)

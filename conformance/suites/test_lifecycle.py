@@ -43,6 +43,47 @@ def test_new_arrivals_after_everything_finished(sg: SuiteContext) -> None:
     assert_matches_oracle(sg, outcomes, {**first, **second})
 
 
+def test_all_finish_in_one_step_then_new_arrivals(sg: SuiteContext) -> None:
+    """Every request finishes in the same step (seed 000: under speculation, inside one
+    verify); the engine must then take new arrivals (the next merge of spec state)."""
+    first = {f"{c.id}-a": (list(c.ids), greedy(2)) for c in sg.prompts[:4]}
+    second = {f"{c.id}-b": (list(c.ids), greedy(5)) for c in sg.prompts[2:6]}
+    with open_driver(sg) as driver:
+        outcomes = run_all(driver, first)
+        outcomes.update(run_all(driver, second))
+        outcomes.update(run_all(driver, first | {"again": (list(sg.prompts[0].ids), greedy(3))}))
+    assert_matches_oracle(sg, outcomes, {**first, **second})
+
+
+def test_stop_token_at_every_offset(sg: SuiteContext) -> None:
+    """A stop token at each of the first output positions: under speculation these fall at
+    every offset of an accepted run, and nothing after the stop may be emitted."""
+    prompt = list(sg.prompts[0].ids)
+    want = sg.oracle.greedy(tuple(prompt), greedy(24))
+    requests = {}
+    for i, token in enumerate(want):
+        if 0 < i <= 16 and token not in want[:i]:  # first occurrence: the stop lands at i
+            requests[f"stop-at-{i}"] = (prompt, greedy(24, stop_token_ids=(token,)))
+    assert len(requests) >= 4, "prompt gives too few distinct early tokens to test stops"
+    with open_driver(sg) as driver:
+        outcomes = run_all(driver, requests)
+    for rid in requests:
+        i = int(rid.rsplit("-", 1)[1])
+        o = outcomes[rid]
+        assert o.output_ids == want[:i + 1] and o.reason == "stop", (
+            f"{rid}: got {len(o.output_ids)} tokens ({o.reason}), expected {i + 1} (stop)")
+
+
+@pytest.mark.specgate_requires("stepwise", "forced_retract")
+def test_retract_middle_request(sg: SuiteContext) -> None:
+    """The middle of three requests is retracted (every 2nd step) and resumes exactly."""
+    requests = {c.id: (list(c.ids), greedy(20)) for c in sg.prompts[:3]}
+    with open_driver(sg, retract_every=2) as driver:
+        outcomes = run_all(driver, requests)
+        assert driver.retractions > 0
+    assert_matches_oracle(sg, outcomes, requests)
+
+
 def test_idle_to_busy(sg: SuiteContext) -> None:
     requests = {"late": (list(sg.prompts[1].ids), greedy(5))}
     with open_driver(sg) as driver:

@@ -1,0 +1,119 @@
+"""Tier kernel: the backend's tree kernels against the torch references, field by field.
+
+A backend opts in with ``kernel_impls()`` (``conformance.kernels``); without it every check is
+reported "not claimed". Trees come from ``conformance.kernels.tree_cases``: the drafter's
+candidate layout with path scores that never rise along a path (ties included), selections by
+``select_candidates``, and target predictions that follow a child about half of the time, so
+accepted paths of every length, first-match among siblings and the depth cut all occur.
+
+Example counts are small on purpose: on CPU these kernels run under Triton's interpreter, which
+costs tens of milliseconds per launch; shapes are biased to the largest trees instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from conformance.kernels import (
+    KernelImpls,
+    TreeCase,
+    published_greedy_vector,
+    tree_cases,
+)
+from conformance.plugin import SuiteContext
+from refengine.kernels.tree_reference import (
+    GreedyVerifyResult,
+    Tree,
+    build_tree_reference,
+    verify_tree_greedy_reference,
+)
+
+pytestmark = [pytest.mark.specgate_tier("kernel")]
+
+# database=None: a certification run must not leave a .hypothesis directory behind
+CASES = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+                 suppress_health_check=[HealthCheck.too_slow])
+
+TREE_FIELDS = ("tokens", "parents", "depth", "mask", "next_token", "next_sibling")
+VERIFY_FIELDS = ("accept_index", "accept_len", "bonus")
+
+
+def _impls(sg: SuiteContext, record_property: Callable[[str, object], None]) -> KernelImpls:
+    hook = getattr(sg.backend, "kernel_impls", None)
+    if hook is None:
+        pytest.skip("not claimed: kernel_impls")
+    impls = hook()
+    record_property("kernels", impls.name)  # which implementation was certified, in the results
+    return impls
+
+
+def _mismatches(got: Tree | GreedyVerifyResult, want: Tree | GreedyVerifyResult,
+                fields: tuple[str, ...]) -> list[str]:
+    """Fields that differ in shape or value. Integer width is not part of the contract (a GPU
+    kernel may well use int32), so values are compared in the reference's dtype."""
+    bad = []
+    for name in fields:
+        g, w = getattr(got, name), getattr(want, name)
+        if not isinstance(g, torch.Tensor) or tuple(g.shape) != tuple(w.shape):
+            bad.append(f"{name}: shape {getattr(g, 'shape', type(g))}, expected {tuple(w.shape)}")
+            continue
+        g = g.detach().cpu().to(w.dtype)
+        if not torch.equal(g, w):
+            rows = (g != w).reshape(g.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+            at = tuple((g != w).nonzero()[0].tolist()[:2])  # request row (and node, for mask)
+            bad.append(f"{name}: rows {rows} differ; at {list(at)}: got {g[at].tolist()}, "
+                       f"expected {w[at].tolist()}")
+    return bad
+
+
+def _tree(case: TreeCase) -> Tree:
+    return build_tree_reference(case.root, case.cand_tokens, case.cand_parents, case.selected)
+
+
+def test_build_tree_matches_reference(sg: SuiteContext, record_property: Callable) -> None:
+    build = _impls(sg, record_property).build_tree
+    if build is None:
+        pytest.skip("not claimed: build_tree")
+
+    @CASES
+    @given(case=tree_cases())
+    def check(case: TreeCase) -> None:
+        got = build(case.root, case.cand_tokens, case.cand_parents, case.selected)
+        bad = _mismatches(got, _tree(case), TREE_FIELDS)
+        assert not bad, f"{case.describe()}: " + "; ".join(bad)
+
+    check()
+
+
+def test_verify_greedy_matches_reference(sg: SuiteContext, record_property: Callable) -> None:
+    verify = _impls(sg, record_property).verify_greedy
+    if verify is None:
+        pytest.skip("not claimed: verify_greedy")
+
+    @CASES
+    @given(case=tree_cases())
+    def check(case: TreeCase) -> None:
+        tree = _tree(case)
+        args = (tree.tokens, tree.next_token, tree.next_sibling, case.target_predict,
+                case.max_depth)
+        bad = _mismatches(verify(*args), verify_tree_greedy_reference(*args), VERIFY_FIELDS)
+        assert not bad, f"{case.describe()}: " + "; ".join(bad)
+
+    check()
+
+
+def test_verify_greedy_published_vector(sg: SuiteContext, record_property: Callable) -> None:
+    """sgl-kernel's own vector: a sibling taken at depth 1, a stop at the depth limit (row 0)
+    and a stop at a leaf (row 1); the sibling chains are not in node order here."""
+    verify = _impls(sg, record_property).verify_greedy
+    if verify is None:
+        pytest.skip("not claimed: verify_greedy")
+    v = published_greedy_vector()
+    got = verify(v.tokens, v.next_token, v.next_sibling, v.target_predict, v.max_depth)
+    want = GreedyVerifyResult(v.accept_index, v.accept_len, v.bonus)
+    bad = _mismatches(got, want, VERIFY_FIELDS)
+    assert not bad, "; ".join(bad)
