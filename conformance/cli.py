@@ -155,6 +155,56 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     return 1 if survived else 0
 
 
+# --- golden -----------------------------------------------------------------------------------
+
+def _golden_configs(spec: str) -> list:
+    from conformance.specs import resolve_specs
+
+    try:
+        choices = resolve_specs(spec)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    configs = [c for choice in choices for c in choice.configs if c is not None]
+    if not configs:
+        raise UsageError(f"--spec {spec}: plain decoding has no acceptance traces")
+    return configs
+
+
+def cmd_golden(args: argparse.Namespace) -> int:
+    from conformance import golden
+    from conformance.specs import config_id
+
+    _validate("none", [], args.model)
+    configs = _golden_configs(args.spec)
+    failed = 0
+    for i, config in enumerate(configs, 1):
+        _progress(f"[{i}/{len(configs)}] {config_id(config)} on prompt set {args.prompt_set} ...")
+        try:
+            trace = golden.record(config, args.prompt_set, args.model, args.max_new_tokens)
+        except FileNotFoundError as err:
+            raise UsageError(str(err)) from None
+        path = golden.golden_path(config, args.prompt_set)
+        s = trace.summary
+        line = (f"{config_id(config)}: mean tau {s['mean_tau']}, per-position acceptance "
+                f"{s['per_position_acceptance']}, {s['verify_steps']} verify steps")
+        if args.action == "record":
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(trace.to_json())
+            print(f"{line} -> {path}")
+            continue
+        if not path.exists():
+            print(f"{config_id(config)}: MISSING {path}")
+            failed += 1
+            continue
+        stored = golden.GoldenTrace.from_json(path.read_text())
+        diffs = [r.id for r, g in zip(trace.requests, stored.requests, strict=False) if r != g]
+        same = trace.to_json() == stored.to_json()
+        print(f"{line}: {'matches' if same else 'DIFFERS'} {path}"
+              + (f" (requests {diffs[:5]})" if diffs else ""))
+        failed += 0 if same else 1
+    return 1 if failed else 0
+
+
 # --- bench ------------------------------------------------------------------------------------
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -212,6 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
                          help="pytest-xdist workers (0 or 1: in-process)")
     certify.add_argument("--model", default="tiny-code", help="fixture name or model directory")
     certify.set_defaults(func=cmd_certify)
+
+    gold = sub.add_parser("golden", help="record or check golden acceptance traces (serial)")
+    gold.add_argument("action", choices=["record", "check"])
+    gold.add_argument("--spec", default="all", help="eagle | eagle-tree | all")
+    gold.add_argument("--prompt-set", default="default")
+    gold.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    gold.add_argument("--model", default="tiny-code", help="fixture name or model directory")
+    gold.set_defaults(func=cmd_golden)
 
     mutants = sub.add_parser("mutants", help="run the suite against every bug-zoo mutant; "
                              "exit 1 if any survives")

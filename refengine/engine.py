@@ -170,8 +170,12 @@ class Engine:
         return [done[r] for r in rids]
 
     def next_token_logits(self, prompt: Prompt) -> torch.Tensor:
-        """The target's float32 logits after ``prompt``: a scoring prefill that leaves the engine
-        exactly as it found it (its row and slots are released before returning)."""
+        """The target's float32 logits for the token after ``prompt``."""
+        return self.prompt_logits(prompt)[-1]
+
+    def prompt_logits(self, prompt: Prompt) -> torch.Tensor:
+        """The target's float32 logits after every position of ``prompt`` ([n, vocab]): a scoring
+        prefill that leaves the engine as it found it (row and slots released on return)."""
         ids = self.tokenize(prompt)
         req = Req("__score__", ids, SamplingParams(max_new_tokens=1), 0, -1)
         if not self.kv.assign_row(req):
@@ -180,8 +184,8 @@ class Engine:
             n = len(ids)
             fb = ForwardBatch(torch.tensor(ids), torch.arange(n), self.kv.extend(req, n),
                               self._attention_metadata(torch.tensor([req.row]), [n], [n]),
-                              torch.tensor([n - 1]))
-            return self.model(fb, self.kv.kv).logits[0]
+                              torch.arange(n))
+            return self.model(fb, self.kv.kv).logits
         finally:
             self.kv.release(req)
 

@@ -1,0 +1,44 @@
+"""Tier golden: acceptance traces against `golden/` for backends that run the reference draft
+algorithm on the fixture weights (``reference_draft``) and report per-verify counts
+(``acceptance_stats``). Outputs must match exactly up to each request's first fragile position;
+mean tau must stay within ``golden.TAU_RTOL``. A draft that got worse is still lossless — this
+is the tier that notices."""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance import golden
+from conformance.adapter import SpecConfig
+from conformance.plugin import SuiteContext
+from conformance.suites.support import greedy, open_driver, parametrize_spec_configs, run_all
+
+pytestmark = [pytest.mark.specgate_tier("golden"),
+              pytest.mark.specgate_requires("reference_draft", "acceptance_stats")]
+GOLDEN_SET = "default"
+GATE_REQUESTS = 12  # the gate profile replays the first requests of the golden set
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    parametrize_spec_configs(metafunc)
+
+
+def test_acceptance_matches_golden(sg: SuiteContext, spec_config: SpecConfig | None,
+                                   record_property) -> None:
+    if spec_config is None:
+        pytest.skip("plain decoding has no acceptance trace")
+    trace = golden.load(spec_config, GOLDEN_SET)
+    chosen = trace.requests if sg.profile.name == "full" else trace.requests[:GATE_REQUESTS]
+    params = greedy(int(trace.sampling["max_new_tokens"]))
+    requests = {r.id: (r.prompt_ids, params) for r in chosen}
+    with open_driver(sg, spec_config, max_running_requests=max(64, len(requests)),
+                     kv_pool_tokens=65536) as driver:
+        outcomes = run_all(driver, requests)
+    problems = golden.compare(trace, {k: o.output_ids for k, o in outcomes.items()},
+                              {k: o.accept_lens for k, o in outcomes.items()},
+                              spec_config.num_steps)
+    got = golden.summarize([o.accept_lens for o in outcomes.values()], spec_config.num_steps)
+    record_property("mean_tau", got["mean_tau"])
+    record_property("golden_mean_tau", golden.summarize(
+        [r.accept_lens for r in chosen], spec_config.num_steps)["mean_tau"])
+    assert not problems, f"{len(problems)} golden mismatches: {problems[:5]}"
