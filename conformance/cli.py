@@ -105,7 +105,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
 # --- mutants ----------------------------------------------------------------------------------
 
 def _run_suite_quietly(backend: str, spec: str, profile: str, model: str, results: Path,
-                       stop_at_first_failure: bool) -> None:
+                       stop_at_first_failure: bool, draft_model: str | None = None) -> None:
     import pytest
 
     args = [str(_suite_dir()), "-c", os.devnull, "--rootdir", str(_suite_dir()),
@@ -115,28 +115,37 @@ def _run_suite_quietly(backend: str, spec: str, profile: str, model: str, result
             "-W", "ignore::DeprecationWarning"]
     if stop_at_first_failure:
         args.append("-x")
+    if draft_model:
+        args += ["--specgate-draft-model", draft_model]
     pytest.main(args)
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
     from conformance.backends.mutants import MUTANTS
 
-    _validate(args.spec, [], args.model)
+    if args.spec is not None:
+        _validate(args.spec, [], args.model)
+    else:
+        _validate("none", [], args.model)
     names = list(MUTANTS) if not args.only else args.only.split(",")
     unknown = [n for n in names if n not in MUTANTS]
     if unknown:
         raise UsageError(f"--only: unknown mutant(s) {unknown} (known: {', '.join(MUTANTS)})")
     rows = []
     for i, name in enumerate(names, 1):
-        _progress(f"[{i}/{len(names)}] mutant {name}: running the suite ...")
+        # A speculative mutant is only visible under speculation: by default it runs with the
+        # chain spec, a plain one with none; --spec forces one spec for all.
+        spec = args.spec or ("eagle" if MUTANTS[name].requires_spec else "none")
+        _progress(f"[{i}/{len(names)}] mutant {name} (spec {spec}): running the suite ...")
         with tempfile.TemporaryDirectory() as tmp:
             results = Path(tmp) / "results.json"
-            _run_suite_quietly(f"mutant:{name}", args.spec, args.profile, args.model, results,
-                               stop_at_first_failure=True)
+            _run_suite_quietly(f"mutant:{name}", spec, args.profile, args.model, results,
+                               stop_at_first_failure=True, draft_model=args.draft_model)
             checks = json.loads(results.read_text())["checks"] if results.exists() else []
         killers = [c for c in checks if c["outcome"] == "failed"]
         status = "killed" if killers else "survived" if checks else "error: the suite did not run"
-        row = {"mutant": name, "bug_class": MUTANTS[name].bug_class, "status": status,
+        row = {"mutant": name, "spec": spec, "bug_class": MUTANTS[name].bug_class,
+               "status": status,
                "killed_by": killers[0]["nodeid"] if killers else None,
                "message": killers[0]["message"] if killers else None}
         rows.append(row)
@@ -145,9 +154,9 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print("| mutant | bug class | status | killed by |\n|---|---|---|---|")
+        print("| mutant | spec | bug class | status | killed by |\n|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['mutant']} | {r['bug_class']} | {r['status']} | "
+            print(f"| {r['mutant']} | {r['spec']} | {r['bug_class']} | {r['status']} | "
                   f"{r['killed_by'] or '—'} |")
         print(f"\n{len(rows) - len(survived)} of {len(rows)} mutants killed")
     if any(r["status"].startswith("error") for r in rows):
@@ -273,7 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     mutants = sub.add_parser("mutants", help="run the suite against every bug-zoo mutant; "
                              "exit 1 if any survives")
-    mutants.add_argument("--spec", default="none")
+    mutants.add_argument("--spec", default=None,
+                         help="force one spec for every mutant (default: eagle for speculative "
+                              "mutants, none for plain ones)")
+    mutants.add_argument("--draft-model", default=None, help=argparse.SUPPRESS)
     mutants.add_argument("--profile", default="gate", choices=["gate", "full"])
     mutants.add_argument("--model", default="tiny-code", help="fixture name or model directory")
     mutants.add_argument("--only", default="", help="comma-separated mutant names")

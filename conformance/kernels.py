@@ -30,8 +30,9 @@ from refengine.kernels.tree_triton import (
     verify_tree_greedy_triton,
 )
 
-__all__ = ["KernelImpls", "default_kernels_for_refengine", "reference_kernels",
-           "triton_kernels", "triton_runnable"]
+__all__ = ["KernelImpls", "PublishedVector", "TreeCase", "default_kernels_for_refengine",
+           "published_greedy_vector", "reference_kernels", "tree_cases", "triton_kernels",
+           "triton_runnable"]
 
 BuildTree = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Tree]
 VerifyGreedy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],

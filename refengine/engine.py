@@ -45,6 +45,7 @@ class Engine:
     kv_manager_class: type[KVManager] = KVManager
     scheduler_class: type[Scheduler] = Scheduler
     worker_class: type[EagleWorker] = EagleWorker
+    draft_state_class: type[DraftState] = DraftState
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -69,7 +70,8 @@ class Engine:
                                                     spec.num_draft_tokens))
         self.worker = None if spec is None or draft is None else self.worker_class(
             spec, self.model, draft, self.kv)
-        self.draft_state = None if self.worker is None else DraftState(self.worker.idle_input())
+        self.draft_state = (None if self.worker is None
+                            else self.draft_state_class(self.worker.idle_input()))
         self.decode_tokens = 1 if spec is None else max(spec.num_draft_tokens,
                                                         spec.topk * (spec.num_steps - 1))
         self.scheduler = self.scheduler_class(self.kv, config.max_running_requests,

@@ -23,13 +23,15 @@ import torch
 
 from conformance.backends.refengine import RefEngineBackend
 from refengine import Engine
+from refengine.events import Event, TokenEvent
 from refengine.memory.manager import KVManager
 from refengine.model.attention import AttentionMetadata
 from refengine.request import FinishReason, Req
 from refengine.sampler import draw_generator, sampling_probs
 from refengine.scheduler import Scheduler
+from refengine.spec.draft_state import DraftState
 from refengine.spec.eagle_v1 import EagleWorker, VerifyOutcome
-from refengine.spec.inputs import VerifyInput
+from refengine.spec.inputs import DraftExtendInput, DraftInput, VerifyInput
 from refengine.spec.verify import SampledPath
 from refengine.stopping import finish_reason
 
@@ -210,6 +212,90 @@ class BiasedVerifySampler(Engine):
     worker_class = _ResidualIsP
 
 
+# --- speculative decoding (EAGLE V1) -------------------------------------------------------------
+
+class _RemembersVerifyInput(EagleWorker):
+    last_verify_input: VerifyInput | None = None
+
+    def draft(self, reqs: list[Req], din: DraftInput) -> VerifyInput:
+        self.last_verify_input = super().draft(reqs, din)
+        return self.last_verify_input
+
+
+class AllFinishLeavesVerifyInput(Engine):
+    """Seed 000: when every request finishes inside verify, the verify input stays installed
+    as the batch's spec state; the next merge finds no ``merge_batch`` and crashes."""
+
+    worker_class = _RemembersVerifyInput
+
+    def _install_draft_state(self, reqs: list[Req], extend_input: DraftExtendInput) -> None:
+        if reqs:
+            super()._install_draft_state(reqs, extend_input)
+            return
+        self.draft_state.install([], self.worker.last_verify_input)  # type: ignore[arg-type]
+
+
+class _ExtendPhaseConfusion(EagleWorker):
+    def draft_extend(self, reqs: list[Req], ext: DraftExtendInput) -> DraftInput:
+        din = super().draft_extend(reqs, ext)
+        last = torch.cumsum(ext.accept_lens, 0) - 1
+        # The per-accepted-token target features (draft-extend phase) reused as the next draft
+        # phase's hidden state: shapes line up, meaning does not.
+        return DraftInput(din.topk_p, din.topk_index, ext.hidden_states[last], din.verified_id)
+
+
+class DraftExtendPhaseConfusion(Engine):
+    """Seed 002: the draft-extend phase's per-token target features stand in for the draft's
+    predicted feature in the next draft phase. Still lossless; acceptance collapses."""
+
+    worker_class = _ExtendPhaseConfusion
+
+
+class _KeepsRejectedPages(EagleWorker):
+    def commit(self, req: Req, nodes: list[int]) -> None:
+        if self.kv.page_size == 1:
+            super().commit(req, nodes)
+            return
+        allocated = req.kv_allocated_len
+        super().commit(req, nodes)
+        # The paged path forgets to move the watermark: rejected slots stay reserved.
+        self.kv.extend(req, allocated - req.kv_allocated_len)
+        req.kv_allocated_len = allocated
+
+
+class RejectedSlotsKeptPaged(Engine):
+    """Rejected verify slots are not freed when page_size > 1 (the paged spec path never
+    updates the allocation watermark)."""
+
+    worker_class = _KeepsRejectedPages
+
+
+class StopInsideRunIgnored(Engine):
+    """Finish conditions are checked once per step, after the whole accepted run, instead of
+    per token: tokens after a stop (or past max_new_tokens) inside a run are emitted."""
+
+    def _emit(self, req: Req, tokens: list[int], events: list[Event]) -> int:
+        req.output_ids.extend(tokens)
+        events.append(TokenEvent(req.rid, tuple(tokens)))
+        reason = self._finish_reason(req)  # sees only the run's last token
+        if reason is not None:
+            self._finish(req, reason, events)
+        return len(tokens)
+
+
+class _PositionalFilter(DraftState):
+    def drop(self, rid: str) -> None:
+        if rid in self.rids:  # assumes removed rows are a suffix: truncate instead of gather
+            self._keep(list(range(len(self.rids) - 1)))
+
+
+class RetractFilterPositional(Engine):
+    """A retracted request's draft row is dropped by truncating the batch (sglang's "filter
+    can only filter from the back" assumption): rows after a retracted middle request shift."""
+
+    draft_state_class = _PositionalFilter
+
+
 @dataclass(frozen=True)
 class Mutant:
     name: str
@@ -230,6 +316,11 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("ignores_stop_token_ids", IgnoresStopTokenIds),
     Mutant("batch_leaks_across_rows", BatchLeaksAcrossRows),
     Mutant("biased_verify_sampler", BiasedVerifySampler, requires_spec=True),
+    Mutant("all_finish_leaves_verify_input", AllFinishLeavesVerifyInput, requires_spec=True),
+    Mutant("draft_extend_phase_confusion", DraftExtendPhaseConfusion, requires_spec=True),
+    Mutant("rejected_slots_kept_paged", RejectedSlotsKeptPaged, requires_spec=True),
+    Mutant("stop_inside_run_ignored", StopInsideRunIgnored, requires_spec=True),
+    Mutant("retract_filter_positional", RetractFilterPositional, requires_spec=True),
 ]}
 
 

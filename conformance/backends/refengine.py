@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import refengine
 from conformance.adapter import Capabilities, Event, MemoryView, OpenConfig, Request
+from conformance.kernels import KernelImpls, default_kernels_for_refengine
 from refengine import Engine, EngineConfig
 
 
@@ -41,7 +42,12 @@ class RefEngineBackend:
     def capabilities(self) -> Capabilities:
         return Capabilities(algorithms=frozenset({"none", "eagle"}), tree=True, sampling=True,
                             stepwise=True, abort=True, memory_view=True, acceptance_stats=True,
-                            reference_draft=True, forced_retract=True)
+                            reference_draft=True, forced_retract=True, kernels=True)
+
+    def kernel_impls(self) -> KernelImpls:
+        """Tree kernels for the kernel tier: Triton where it can run (a GPU, or
+        TRITON_INTERPRET=1), else the torch references the engine itself uses on CPU."""
+        return default_kernels_for_refengine()
 
     def open(self, cfg: OpenConfig) -> RefEngineHandle:
         return RefEngineHandle(self.engine_class(EngineConfig(

@@ -1,10 +1,11 @@
 """Tier kernel: the backend's tree kernels against the torch references, field by field.
 
-A backend opts in with ``kernel_impls()`` (``conformance.kernels``); without it every check is
-reported "not claimed". Trees come from ``conformance.kernels.tree_cases``: the drafter's
-candidate layout with path scores that never rise along a path (ties included), selections by
-``select_candidates``, and target predictions that follow a child about half of the time, so
-accepted paths of every length, first-match among siblings and the depth cut all occur.
+A backend opts in by claiming the ``kernels`` capability and providing ``kernel_impls()``
+(``conformance.kernels``); without the claim every check is reported "not claimed". Trees
+come from ``conformance.kernels.tree_cases``: the drafter's candidate layout with path scores
+that never rise along a path (ties included), selections by ``select_candidates``, and target
+predictions that follow a child about half of the time, so accepted paths of every length,
+first-match among siblings and the depth cut all occur.
 
 Example counts are small on purpose: on CPU these kernels run under Triton's interpreter, which
 costs tens of milliseconds per launch; shapes are biased to the largest trees instead.
@@ -32,7 +33,7 @@ from refengine.kernels.tree_reference import (
     verify_tree_greedy_reference,
 )
 
-pytestmark = [pytest.mark.specgate_tier("kernel")]
+pytestmark = [pytest.mark.specgate_tier("kernel"), pytest.mark.specgate_requires("kernels")]
 
 # database=None: a certification run must not leave a .hypothesis directory behind
 CASES = settings(max_examples=60, deadline=None, derandomize=True, database=None,
@@ -44,8 +45,7 @@ VERIFY_FIELDS = ("accept_index", "accept_len", "bonus")
 
 def _impls(sg: SuiteContext, record_property: Callable[[str, object], None]) -> KernelImpls:
     hook = getattr(sg.backend, "kernel_impls", None)
-    if hook is None:
-        pytest.skip("not claimed: kernel_impls")
+    assert hook is not None, "the backend claims `kernels` but has no kernel_impls()"
     impls = hook()
     record_property("kernels", impls.name)  # which implementation was certified, in the results
     return impls

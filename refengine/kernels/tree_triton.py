@@ -3,7 +3,8 @@
 The engine itself always runs the torch references (``tree_reference.py``) — it is a CPU engine
 and these kernels exist so that a GPU implementation of the same contracts can be certified
 against the same oracle. On CPU the kernels run only under Triton's interpreter
-(``TRITON_INTERPRET=1`` set before the kernels are first used); without a GPU or the interpreter
+(``TRITON_INTERPRET=1``, set before Triton is first imported in the process: Triton jits its own
+library functions at import, in whichever mode is on then); without a GPU or the interpreter
 the wrappers raise ``RuntimeError`` rather than fall back silently, so a test that asked for
 Triton never passes on the reference by accident. Triton is imported lazily: importing this
 module never needs Triton.
