@@ -2,7 +2,12 @@
 
 Every backend is driven exactly as the suite drives it (submit, then step until every request
 has finished), in the same process and on the same prompts, so the numbers compare the engines
-rather than the harnesses. Only plain decoding (``--spec none``) is measured for now.
+rather than the harnesses.
+
+``--spec none`` compares backends on plain decoding. ``--spec eagle|eagle-tree`` compares the
+first backend's plain decoding with each configuration of that spec, side by side: tokens/s,
+speedup, tau (tokens per verify, bonus included), per-position acceptance and — for the
+reference engine — where the time goes (schedule / prefill / draft / verify / extend).
 
 The workload is fixed so runs are comparable: the first ``b`` prompts of
 ``fixtures/prompts/default.jsonl`` (cycled when ``b`` exceeds the file), greedy, ``ignore_eos``
@@ -14,15 +19,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from conformance.adapter import Backend, EngineHandle, FinishEvent, OpenConfig, Request
+from conformance.adapter import (
+    Backend,
+    EngineHandle,
+    FinishEvent,
+    OpenConfig,
+    Request,
+    SpecConfig,
+)
+from conformance.golden import summarize
 from conformance.prompts import load_prompt_set
+from conformance.specs import SPECS, config_id
 from refengine.config import SamplingParams
 
-SUPPORTED_SPECS = ("none",)
 _WARMUP_TOKENS = 4
 _MAX_IDLE_STEPS = 10_000
 
@@ -34,6 +47,9 @@ class BackendTiming:
     tokens_per_s: float
     total_tokens: int
     seconds: float
+    tau: float | None = None
+    per_position_acceptance: list[float] = field(default_factory=list)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -50,8 +66,8 @@ class BenchResult:
     model: str
     max_new_tokens: int
     threads: int
-    backends: list[str]                # as requested: "refengine", "hf", or "module:factory"
-    versions: dict[str, str]           # backend spec -> "<name> <version>"
+    backends: list[str]                # lane labels: backend names, or "plain" / config ids
+    versions: dict[str, str]           # lane label -> "<name> <version>"
     rows: list[BenchRow] = field(default_factory=list)
 
 
@@ -75,13 +91,33 @@ def load_prompts(model: str, count: int) -> list[tuple[int, ...]]:
     return [cases[i % len(cases)].ids for i in range(count)]
 
 
+@dataclass(frozen=True)
+class Lane:
+    """One column of the table: a backend, run with one spec configuration (None = plain)."""
+
+    label: str
+    backend: str
+    spec: SpecConfig | None
+
+
+def lanes_for(spec: str, backends: list[str]) -> list[Lane]:
+    if spec == "none":
+        return [Lane(b, b, None) for b in backends]
+    if spec not in SPECS:
+        raise ValueError(f"--spec: {spec!r} not supported by bench (supported: "
+                         f"{', '.join(SPECS)})")
+    return [Lane("plain", backends[0], None),
+            *(Lane(config_id(c), backends[0], c) for c in SPECS[spec].configs)]
+
+
 def _run_batch(handle: EngineHandle, prompts: list[tuple[int, ...]], max_new_tokens: int,
-               tag: str) -> tuple[int, float]:
-    """Submit ``prompts`` and step until all finish: (output tokens, wall seconds)."""
+               tag: str) -> tuple[int, float, list[list[int]]]:
+    """Submit ``prompts`` and step until all finish: (tokens, wall seconds, accept_lens)."""
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     rids = [f"bench-{tag}-{i}" for i in range(len(prompts))]
     pending = set(rids)
     tokens = idle = 0
+    accepts: list[list[int]] = []
     start = time.perf_counter()
     for rid, ids in zip(rids, prompts, strict=True):
         handle.submit(Request(rid, ids, params))
@@ -91,27 +127,36 @@ def _run_batch(handle: EngineHandle, prompts: list[tuple[int, ...]], max_new_tok
             if isinstance(ev, FinishEvent) and ev.rid in pending:
                 pending.discard(ev.rid)
                 tokens += len(ev.output_ids)
+                accepts.append(list(ev.accept_lens))
         # A step may legitimately report nothing (a chunked prefill), but not forever.
         idle = 0 if events else idle + 1
         if idle > _MAX_IDLE_STEPS:
             raise RuntimeError(f"bench: backend made no progress in {_MAX_IDLE_STEPS} steps "
                                f"with {len(pending)} requests unfinished")
-    return tokens, time.perf_counter() - start
+    return tokens, time.perf_counter() - start, accepts
+
+
+def _phase_seconds(handle: EngineHandle) -> dict[str, float]:
+    """The reference engine's per-phase wall time so far (empty for other backends)."""
+    engine = getattr(handle, "engine", None)
+    return dict(getattr(engine, "phase_seconds", {}))
 
 
 def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, spec: str,
               progress: Callable[[str], None], model: str = "tiny-code",
-              loader: Callable[[str], Backend] | None = None) -> BenchResult:
+              loader: Callable[[str], Backend] | None = None,
+              draft_model: str | None = None) -> BenchResult:
     """Time each backend on each batch size; ``loader`` defaults to the backend registry.
 
     Backends are opened once and warmed up once (batch 1, a few tokens: first-call allocations
     and lazy initialisation are not what we measure); the timed region is submit + step.
     """
-    if spec not in SUPPORTED_SPECS:
-        raise ValueError(f"--spec: {spec!r} not supported by bench yet "
-                         f"(supported: {', '.join(SUPPORTED_SPECS)})")
     if not backends:
         raise ValueError("--backends: at least one backend is needed")
+    lanes = lanes_for(spec, backends)
+    if draft_model:
+        lanes = [ln if ln.spec is None
+                 else replace(ln, spec=replace(ln.spec, draft_model=draft_model)) for ln in lanes]
     if len(set(backends)) != len(backends):
         raise ValueError(f"--backends: duplicates in {backends}")
     if not batch_sizes or any(b < 1 for b in batch_sizes):
@@ -125,27 +170,38 @@ def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, 
     prompts = load_prompts(model, max(batch_sizes))
     biggest = max(batch_sizes)
     # Room for the whole largest batch at once, so a paged backend never retracts mid-bench.
-    pool = sum(len(p) + max_new_tokens for p in prompts[:biggest]) + biggest
-    cfg = OpenConfig(model=model, kv_pool_tokens=max(OpenConfig.kv_pool_tokens, pool),
-                     max_running_requests=max(OpenConfig.max_running_requests, biggest))
-
+    # Room for the largest batch plus a speculative step's reserve, so nothing retracts.
+    pool = sum(len(p) + max_new_tokens + 64 for p in prompts[:biggest]) + biggest
     result = BenchResult(spec=spec, model=model, max_new_tokens=max_new_tokens,
-                         threads=torch.get_num_threads(), backends=list(backends), versions={})
+                         threads=torch.get_num_threads(), backends=[ln.label for ln in lanes],
+                         versions={})
     handles: dict[str, EngineHandle] = {}
     try:
-        for name in backends:
-            backend = loader(name)
-            result.versions[name] = f"{backend.name} {backend.version}"
-            progress(f"opening {name} ({result.versions[name]}) on {model}")
-            handles[name] = backend.open(cfg)
-            _run_batch(handles[name], prompts[:1], _WARMUP_TOKENS, "warmup")
+        for lane in lanes:
+            backend = loader(lane.backend)
+            result.versions[lane.label] = f"{backend.name} {backend.version}"
+            progress(f"opening {lane.label} ({result.versions[lane.label]}) on {model}")
+            handles[lane.label] = backend.open(OpenConfig(
+                model=model, spec=lane.spec,
+                kv_pool_tokens=max(OpenConfig.kv_pool_tokens, pool),
+                max_running_requests=max(OpenConfig.max_running_requests, biggest)))
+            _run_batch(handles[lane.label], prompts[:1], _WARMUP_TOKENS, "warmup")
         for b in batch_sizes:
             row = BenchRow(batch_size=b)
-            for name, handle in handles.items():
-                tokens, seconds = _run_batch(handle, prompts[:b], max_new_tokens, f"b{b}")
-                row.results[name] = BackendTiming(tokens / seconds if seconds > 0 else 0.0,
-                                                  tokens, seconds)
-                progress(f"batch {b:>3}: {name} {row.results[name].tokens_per_s:,.1f} tok/s "
+            for lane in lanes:
+                handle = handles[lane.label]
+                before = _phase_seconds(handle)
+                tokens, seconds, accepts = _run_batch(handle, prompts[:b], max_new_tokens,
+                                                      f"b{b}")
+                phases = {k: round(v - before.get(k, 0.0), 4)
+                          for k, v in _phase_seconds(handle).items()}
+                stats = summarize(accepts, lane.spec.num_steps) if lane.spec else {}
+                row.results[lane.label] = BackendTiming(
+                    tokens / seconds if seconds > 0 else 0.0, tokens, seconds,
+                    stats.get("mean_tau"), list(stats.get("per_position_acceptance", [])),
+                    phases)
+                progress(f"batch {b:>3}: {lane.label} "
+                         f"{row.results[lane.label].tokens_per_s:,.1f} tok/s "
                          f"({tokens} tokens in {seconds:.3f} s)")
             result.rows.append(row)
     finally:
@@ -155,17 +211,21 @@ def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, 
 
 
 def format_table(result: BenchResult) -> str:
-    """Tokens/s per batch size and backend, plus the first backend's speed over each other's."""
+    """Tokens/s per batch size and lane, with ratios: the first backend over each other one
+    (``--spec none``), or each speculative configuration over plain decoding (its speedup)."""
     first, others = result.backends[0], result.backends[1:]
+    speedup = result.spec != "none"
     header = (f"specgate bench: spec={result.spec}  model={result.model}  "
               f"max_new_tokens={result.max_new_tokens}  torch threads={result.threads}")
     lines = [header]
     lines.extend(f"  {name}: {result.versions.get(name, '?')}" for name in result.backends)
     columns = ["batch", *(f"{name} tok/s" for name in result.backends),
-               *(f"{first}/{name}" for name in others)]
+               *((f"{n}/{first}" if speedup else f"{first}/{n}") for n in others)]
     cells = [[str(row.batch_size),
               *(f"{row.results[n].tokens_per_s:,.1f}" for n in result.backends),
-              *(_ratio(row.results[first].tokens_per_s, row.results[n].tokens_per_s)
+              *((_ratio(row.results[n].tokens_per_s, row.results[first].tokens_per_s)
+                 if speedup else
+                 _ratio(row.results[first].tokens_per_s, row.results[n].tokens_per_s))
                 for n in others)]
              for row in result.rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c)
@@ -173,6 +233,17 @@ def format_table(result: BenchResult) -> str:
     lines.append("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
     lines.append("  ".join("-" * w for w in widths))
     lines.extend("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
+    details = [(row.batch_size, label, t) for row in result.rows
+               for label, t in row.results.items() if t.tau is not None or t.phase_seconds]
+    if details:
+        lines.append("")
+        lines.append("per lane: tau (tokens per verify, bonus included), per-position "
+                     "acceptance, seconds per phase")
+        for b, label, t in details:
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in sorted(t.phase_seconds.items()) if v)
+            tau = "" if t.tau is None else (f"tau {t.tau:.2f}  acceptance "
+                                            f"{[round(a, 2) for a in t.per_position_acceptance]}  ")
+            lines.append(f"  batch {b:>3} {label}: {tau}{phases}")
     return "\n".join(lines)
 
 

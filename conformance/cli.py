@@ -43,17 +43,20 @@ def _plugin_args() -> list[str]:
     return [] if installed else ["-p", "conformance.plugin"]
 
 
-def _validate(spec: str, backends: list[str], model: str) -> None:
+def _validate(spec: str, backends: list[str], model: str, draft_model: str | None = None) -> None:
     from conformance.registry import BackendError, load_backend
     from conformance.specs import resolve_specs
     from refengine.data import resolve_model_dir
     from refengine.model.loader import check_model_dir
 
     try:
-        resolve_specs(spec)
+        drafts = {draft_model} if draft_model else {
+            c.draft_model for choice in resolve_specs(spec) for c in choice.configs if c}
         for name in backends:
             load_backend(name)
         check_model_dir(resolve_model_dir(model))
+        for draft in drafts:
+            resolve_model_dir(draft)
     except (BackendError, ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
 
@@ -64,7 +67,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
     from conformance.report import build_certificate, tier_table, write_reports
     from conformance.specs import resolve_specs
 
-    _validate(args.spec, [args.backend], args.model)
+    _validate(args.spec, [args.backend], args.model, args.draft_model)
     report_dir = Path(args.report)
     report_dir.mkdir(parents=True, exist_ok=True)
     worst = 0
@@ -81,6 +84,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
                 "--specgate-backend", args.backend, "--specgate-spec", spec.name,
                 "--specgate-profile", args.profile, "--specgate-model", args.model,
                 "--specgate-results", str(results), "--junitxml", str(out_dir / "junit.xml"),
+                *(["--specgate-draft-model", args.draft_model] if args.draft_model else []),
                 "-q", "-W", "ignore::DeprecationWarning",
             ]
             if args.workers > 1:
@@ -123,10 +127,7 @@ def _run_suite_quietly(backend: str, spec: str, profile: str, model: str, result
 def cmd_mutants(args: argparse.Namespace) -> int:
     from conformance.backends.mutants import MUTANTS
 
-    if args.spec is not None:
-        _validate(args.spec, [], args.model)
-    else:
-        _validate("none", [], args.model)
+    _validate(args.spec or "none", [], args.model, args.draft_model)
     names = list(MUTANTS) if not args.only else args.only.split(",")
     unknown = [n for n in names if n not in MUTANTS]
     if unknown:
@@ -219,8 +220,9 @@ def cmd_golden(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from conformance.bench import format_table, run_bench
 
-    backends = [b for b in args.backends.split(",") if b]
-    _validate(args.spec, backends, args.model)
+    backends = [b for b in (args.backends or ("refengine,hf" if args.spec == "none"
+                                               else "refengine")).split(",") if b]
+    _validate(args.spec, backends, args.model, args.draft_model)
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
         if any(b < 1 for b in batch_sizes):
@@ -231,8 +233,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         result = run_bench(backends=backends, batch_sizes=batch_sizes,
                            max_new_tokens=args.max_new_tokens, spec=args.spec,
-                           progress=_progress, model=args.model)
-    except ValueError as err:
+                           progress=_progress, model=args.model, draft_model=args.draft_model)
+    except (ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
     print(format_table(result))
     if args.json:
@@ -270,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
                          default=min(2, os.cpu_count() or 1),
                          help="pytest-xdist workers (0 or 1: in-process)")
     certify.add_argument("--model", default="tiny-code", help="fixture name or model directory")
+    certify.add_argument("--draft-model", default=None,
+                         help="override the spec configurations' draft model")
     certify.set_defaults(func=cmd_certify)
 
     gold = sub.add_parser("golden", help="record or check golden acceptance traces (serial)")
@@ -293,12 +297,16 @@ def build_parser() -> argparse.ArgumentParser:
     mutants.set_defaults(func=cmd_mutants)
 
     bench = sub.add_parser("bench", help="tokens/s of backends side by side, with ratios")
-    bench.add_argument("--backends", default="refengine,hf")
+    bench.add_argument("--backends", default=None,
+                       help="comma-separated (default: refengine,hf for --spec none; refengine "
+                            "otherwise, compared with its own plain decoding)")
     bench.add_argument("--spec", default="none")
     bench.add_argument("--batch-sizes", default="1,8,32")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=64)
     bench.add_argument("--model", default="tiny-code", help="fixture name or model directory")
     bench.add_argument("--json", default=None, help="also write the figures here")
+    bench.add_argument("--draft-model", default=None,
+                       help="override the spec configurations' draft model")
     bench.set_defaults(func=cmd_bench)
     return parser
 

@@ -3,8 +3,11 @@ the KV manager, the target model and the sampler."""
 
 from __future__ import annotations
 
+import time
 import zlib
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +80,8 @@ class Engine:
         self.scheduler = self.scheduler_class(self.kv, config.max_running_requests,
                                               config.max_prefill_tokens, config.retract_every,
                                               self.decode_tokens)
+        # Wall seconds per phase (schedule, prefill, decode, draft, verify, extend), for bench.
+        self.phase_seconds: dict[str, float] = defaultdict(float)
         self._live: dict[str, Req] = {}
         self._pending: list[Event] = []
         self._arrivals = 0
@@ -132,7 +137,8 @@ class Engine:
 
     def step(self) -> list[Event]:
         events, self._pending = self._pending, []
-        batch = self.scheduler.schedule()
+        with self._timed("schedule"):
+            batch = self.scheduler.schedule()
         if batch is not None:
             for r in batch.retracted:
                 events.append(RetractEvent(r.rid))
@@ -207,10 +213,24 @@ class Engine:
 
     # --- internals ----------------------------------------------------------------------------
 
+    @contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_seconds[phase] += time.perf_counter() - start
+
     def _run(self, batch: ScheduledBatch, events: list[Event]) -> None:
         if batch.mode == "decode" and self.worker is not None:
             self._run_spec_decode(batch.reqs, events)
             return
+        with self._timed(batch.mode):
+            self._run_forward(batch, events)
+
+    def _run_forward(self, batch: ScheduledBatch, events: list[Event]) -> None:
+        """A prefill (chunk) or a plain decode step: one target forward, one token sampled for
+        every request whose fill is complete."""
         reqs, lens = batch.reqs, batch.extend_lens
         ids, positions, slots, sample_at, sampled = [], [], [], [], []
         offset = 0
@@ -269,17 +289,20 @@ class Engine:
     def _run_spec_decode(self, reqs: list[Req], events: list[Event]) -> None:
         """draft -> verify -> per-token finish checks -> commit -> draft-extend."""
         assert self.worker is not None and self.draft_state is not None
-        draft_input = self.draft_state.aligned([r.rid for r in reqs])
-        verify_input = self.worker.draft(reqs, draft_input)
-        outcome = self.worker.verify(reqs, verify_input)
-        unfinished: list[int] = []
-        for i, req in enumerate(reqs):
-            req.accept_lens.append(self._emit(req, outcome.emitted[i], events))
-            if req.status is not ReqStatus.FINISHED:
-                self.worker.commit(req, outcome.nodes[i])
-                unfinished.append(i)
-        extend_input = self.worker.extend_input(outcome, unfinished)
-        self._install_draft_state([reqs[i] for i in unfinished], extend_input)
+        with self._timed("draft"):
+            draft_input = self.draft_state.aligned([r.rid for r in reqs])
+            verify_input = self.worker.draft(reqs, draft_input)
+        with self._timed("verify"):
+            outcome = self.worker.verify(reqs, verify_input)
+            unfinished: list[int] = []
+            for i, req in enumerate(reqs):
+                req.accept_lens.append(self._emit(req, outcome.emitted[i], events))
+                if req.status is not ReqStatus.FINISHED:
+                    self.worker.commit(req, outcome.nodes[i])
+                    unfinished.append(i)
+        with self._timed("extend"):
+            extend_input = self.worker.extend_input(outcome, unfinished)
+            self._install_draft_state([reqs[i] for i in unfinished], extend_input)
 
     def _install_draft_state(self, reqs: list[Req], extend_input: DraftExtendInput) -> None:
         """Seed 000: when every request finished inside verify there is nothing to extend; an
