@@ -5,12 +5,20 @@ from __future__ import annotations
 import refengine
 from conformance.adapter import Capabilities, Event, MemoryView, OpenConfig, Request
 from conformance.kernels import KernelImpls, default_kernels_for_refengine
+from conformance.worker_hooks import RefEngineWorkerHooks
 from refengine import Engine, EngineConfig
 
 
 class RefEngineHandle:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._hooks: RefEngineWorkerHooks | None = None
+
+    def worker_hooks(self) -> RefEngineWorkerHooks:
+        """Phase traces and forced verify outcomes (capability ``worker_hooks``)."""
+        if self._hooks is None:
+            self._hooks = RefEngineWorkerHooks(self.engine)
+        return self._hooks
 
     def submit(self, req: Request) -> None:
         self.engine.add_request(req.rid, list(req.prompt_ids), req.params, req.session_id)
@@ -42,7 +50,8 @@ class RefEngineBackend:
     def capabilities(self) -> Capabilities:
         return Capabilities(algorithms=frozenset({"none", "eagle"}), tree=True, sampling=True,
                             stepwise=True, abort=True, memory_view=True, acceptance_stats=True,
-                            reference_draft=True, forced_retract=True, kernels=True)
+                            reference_draft=True, worker_hooks=True, forced_retract=True,
+                            kernels=True)
 
     def kernel_impls(self) -> KernelImpls:
         """Tree kernels for the kernel tier: Triton where it can run (a GPU, or

@@ -35,7 +35,8 @@ Everything is seeded, so the outcome is reproducible run to run.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -77,6 +78,20 @@ def sampling_params(seed: int) -> SamplingParams:
                           ignore_eos=True, seed=seed)
 
 
+@contextmanager
+def single_thread() -> Iterator[None]:
+    """One torch intra-op thread. The tier is thousands of small ops (per-request sampling,
+    short scoring prefills) that gain nothing from a second thread but stall for milliseconds
+    each when the cores are shared (xdist workers, a busy machine): measured 4x slower runs and
+    30x slower scoring prefills with two threads under load."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 # --- one run -----------------------------------------------------------------------------
 
 @dataclass
@@ -93,22 +108,17 @@ def sample(backend: Backend, sg: SuiteContext, spec: SpecConfig | None,
                      kv_pool_tokens=BATCH * (len(prompt) + 64),
                      max_prefill_tokens=max(2048, BATCH * len(prompt)))
     start = time.perf_counter()
-    threads = torch.get_num_threads()
-    # One intra-op thread: the run is thousands of small ops (per-request sampling), which gain
-    # nothing from a second thread but stall for milliseconds each when the cores are shared
-    # (xdist workers, a busy machine) — measured 4x slower with two threads under load.
-    torch.set_num_threads(1)
-    handle = backend.open(cfg)
-    try:
-        driver = Driver(handle, backend.capabilities())
-        for i in range(SAMPLES):
-            driver.submit(f"d{i}", list(prompt), sampling_params(i))
-        outcomes = driver.run(64 + SAMPLES * (TOKENS + 2))
-        if inspect is not None:
-            inspect(handle)
-    finally:
-        handle.close()
-        torch.set_num_threads(threads)
+    with single_thread():
+        handle = backend.open(cfg)
+        try:
+            driver = Driver(handle, backend.capabilities())
+            for i in range(SAMPLES):
+                driver.submit(f"d{i}", list(prompt), sampling_params(i))
+            outcomes = driver.run(64 + SAMPLES * (TOKENS + 2))
+            if inspect is not None:
+                inspect(handle)
+        finally:
+            handle.close()
     outputs = [outcomes[f"d{i}"].output_ids for i in range(SAMPLES)]
     bad = [(i, o) for i, o in enumerate(outputs) if len(o) != TOKENS]
     assert not bad, f"{len(bad)} requests did not emit {TOKENS} tokens: {bad[:3]}"
@@ -144,8 +154,9 @@ def law(sg: SuiteContext) -> JointLaw:
         return sg.oracle.next_token_probs(ids, params)
 
     cases = sorted(sg.prompts, key=lambda c: (len(c.ids), c.id))[:CANDIDATE_PROMPTS]
-    return max((exact_law(probs_of, c.id, c.ids, TOKENS) for c in cases),
-               key=lambda law: law.entropy_bits)
+    with single_thread():
+        laws = [exact_law(probs_of, c.id, c.ids, TOKENS) for c in cases]
+    return max(laws, key=lambda law: law.entropy_bits)
 
 
 def test_sampled_tokens_follow_target_distribution(sg: SuiteContext, law: JointLaw,

@@ -1,0 +1,122 @@
+"""Tier worker (white-box): the speculative state machine under forced verify outcomes.
+
+Through ``worker_hooks`` the suite sees what every phase produced and decides how many drafts
+each verify accepts, so the edges happen on demand: every request finishing inside one verify
+(seed 000), an idle draft state merged with a new prefill, a batch filtered to zero rows. Kinds
+and shapes follow DESIGN §3: DraftInput ``[b, k]``/``[b, H]``, VerifyInput ``[b, N]``,
+DraftExtendInput ragged ``[sum(accepted + 1), H]``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance.adapter import SpecConfig
+from conformance.plugin import SuiteContext
+from conformance.suites.support import assert_matches_oracle, greedy, open_driver, run_all
+from conformance.worker_hooks import PhaseRecord
+
+pytestmark = [pytest.mark.specgate_tier("worker"),
+              pytest.mark.specgate_requires("worker_hooks", "stepwise")]
+
+
+def _spec(sg: SuiteContext) -> SpecConfig:
+    config = sg.spec.configs[0]
+    if config is None:
+        pytest.skip("plain decoding has no speculative worker")
+    return config
+
+
+def _check_draft_input(rec: PhaseRecord, rows: int, spec: SpecConfig, hidden: int) -> None:
+    assert rec.kind == "DraftInput", rec
+    assert rec.shapes == {"topk_p": (rows, spec.topk), "topk_index": (rows, spec.topk),
+                          "hidden_states": (rows, hidden), "verified_id": (rows,)}, rec
+    assert rec.dtypes["topk_p"] == "float32" and rec.dtypes["topk_index"] == "int64", rec
+
+
+def _hidden(trace: list[PhaseRecord]) -> int:
+    return next(r.shapes["hidden_states"][1] for r in trace if r.kind == "DraftInput"
+                and r.shapes["hidden_states"][0] > 0)
+
+
+def test_phase_kinds_and_shapes(sg: SuiteContext) -> None:
+    spec = _spec(sg)
+    requests = {c.id: (list(c.ids), greedy(10)) for c in sg.prompts[:3]}
+    with open_driver(sg, spec) as driver:
+        hooks = driver.handle.worker_hooks()
+        outcomes = run_all(driver, requests)
+    trace = hooks.trace
+    hidden = _hidden(trace)
+    phases = [r.phase for r in trace]
+    assert {"prefill", "draft", "verify", "install"} <= set(phases), phases
+    for rec in trace:
+        if rec.phase in ("prefill", "install"):
+            _check_draft_input(rec, len(rec.rids), spec, hidden)
+        elif rec.phase == "draft":
+            b, n = len(rec.rids), spec.num_draft_tokens
+            assert rec.kind == "VerifyInput" and rec.shapes["draft_tokens"] == (b, n), rec
+            assert rec.shapes["tree_mask"] == (b, n, n), rec
+        else:
+            assert rec.kind == "DraftExtendInput", rec
+            total = rec.shapes["input_ids"][0]
+            assert rec.shapes["hidden_states"] == (total, hidden), rec
+    assert_matches_oracle(sg, outcomes, requests)
+
+
+def test_all_finish_inside_verify_installs_idle_then_merges(sg: SuiteContext) -> None:
+    """Forced full acceptance with max_new_tokens=3: the first verify finishes every request;
+    the state installed must be an idle DraftInput, and a new prefill must merge into it."""
+    spec = _spec(sg)
+    first = {f"{c.id}-a": (list(c.ids), greedy(3)) for c in sg.prompts[:3]}
+    later = {f"{c.id}-b": (list(c.ids), greedy(4)) for c in sg.prompts[3:5]}
+    with open_driver(sg, spec) as driver:
+        hooks = driver.handle.worker_hooks()
+        for rid in first:
+            hooks.force_accept(rid, spec.num_steps)
+        run_all(driver, first)
+        installs = [r for r in hooks.trace if r.phase == "install"]
+        assert installs, "no verify ran"
+        hidden = _hidden(hooks.trace)
+        _check_draft_input(installs[-1], 0, spec, hidden)   # idle: zero rows, right widths
+        mark = len(hooks.trace)
+        outcomes = run_all(driver, later)                   # merge(idle, prefill rows)
+    after = hooks.trace[mark:]
+    assert after and after[0].phase == "prefill", after[:2]
+    assert_matches_oracle(sg, outcomes, later)
+
+
+def test_filter_to_zero_rows_then_new_arrivals(sg: SuiteContext) -> None:
+    """Abort every decoding request: the draft state is filtered to zero rows; the engine
+    must then serve new arrivals."""
+    spec = _spec(sg)
+    doomed = {f"{c.id}-x": (list(c.ids), greedy(30)) for c in sg.prompts[:3]}
+    later = {f"{c.id}-y": (list(c.ids), greedy(6)) for c in sg.prompts[1:3]}
+    with open_driver(sg, spec) as driver:
+        for rid, (prompt, params) in doomed.items():
+            driver.submit(rid, prompt, params)
+        while not all(driver.streamed[r] for r in doomed):
+            driver.step()
+        driver.step()
+        for rid in doomed:
+            driver.abort(rid)
+        driver.run(1000)
+        outcomes = run_all(driver, later)
+    assert all(driver.outcomes[r].reason == "abort" for r in doomed)
+    assert_matches_oracle(sg, outcomes, later)
+
+
+@pytest.mark.parametrize("drafts", [0, 1, "max"])
+def test_forced_acceptance_keeps_accounting(sg: SuiteContext, drafts: int | str) -> None:
+    """Whatever a verify accepts, KV accounting holds after every step (the driver checks
+    M1-M3) and the reported per-verify counts equal accepted drafts + 1."""
+    spec = _spec(sg)
+    n = spec.num_steps if drafts == "max" else int(drafts)
+    requests = {c.id: (list(c.ids), greedy(13)) for c in sg.prompts[:4]}
+    with open_driver(sg, spec, page_size=4) as driver:
+        hooks = driver.handle.worker_hooks()
+        for rid in requests:
+            hooks.force_accept(rid, n)
+        outcomes = run_all(driver, requests)
+    for rid, o in outcomes.items():
+        assert len(o.output_ids) == 13, (rid, o)
+        assert all(a == n + 1 for a in o.accept_lens[:-1]), (rid, o.accept_lens)
