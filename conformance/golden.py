@@ -136,3 +136,34 @@ def compare(golden: GoldenTrace, outputs: dict[str, list[int]],
     if want is not None and (got is None or abs(got - want) > TAU_RTOL * want):
         problems.append(f"mean tau {got} is outside {TAU_RTOL:.0%} of the golden {want}")
     return problems
+
+
+def syrupy_extension() -> type:
+    """A syrupy extension that compares a ``GoldenTrace`` with ``golden/<config>/<set>.json``.
+
+    The test's parameter id is the config id and the snapshot name is the prompt set. It never
+    writes: ``--snapshot-update`` raises, because golden files come only from
+    ``specgate golden record`` (reviewed in the commit that changes them).
+    """
+    from syrupy.extensions.json import JSONSnapshotExtension
+
+    class GoldenExtension(JSONSnapshotExtension):
+        prompt_set = "default"
+
+        @classmethod
+        def dirname(cls, *, test_location) -> str:  # type: ignore[no-untyped-def,override]
+            param = test_location.nodename.split("[", 1)[1].rstrip("]")
+            return str(golden_root() / param)
+
+        @classmethod
+        def get_snapshot_name(cls, *, test_location, index=0) -> str:  # type: ignore[no-untyped-def,override]
+            return cls.prompt_set
+
+        def serialize(self, data, **kwargs) -> str:  # type: ignore[no-untyped-def,override]
+            return data.to_json() if isinstance(data, GoldenTrace) else str(data)
+
+        @classmethod
+        def write_snapshot_collection(cls, *, snapshot_collection, name_order=None) -> None:  # type: ignore[no-untyped-def,override]
+            raise RuntimeError("golden traces are written only by `specgate golden record`")
+
+    return GoldenExtension
