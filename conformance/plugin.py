@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
 from conformance.adapter import Backend, Capabilities
 from conformance.oracle import ReferenceOracle
@@ -151,7 +152,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def sg(request: pytest.FixtureRequest) -> SuiteContext:
-    """The suite context: backend under test, its capabilities, spec, profile, oracle."""
+    """The suite context: backend under test, its capabilities, spec, profile, oracle.
+
+    The suite's tiny models are bound by per-op overhead, and torch's intra-op threads stall
+    badly when pytest-xdist workers share the cores: each suite process uses one thread.
+    """
+    torch.set_num_threads(1)
     return context(request.config)
 
 

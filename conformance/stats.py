@@ -6,8 +6,15 @@ distributions") has no stated error rate; here every check is a hypothesis test 
 false-alarm probability is fixed in advance (``ALPHA`` per test), and whose power against a known
 alternative can be measured (``power``), so a pass means something and a failure is never luck.
 
-* Statistic: the G-test (likelihood ratio, ``2 sum O ln(O/E)``) by default, or Pearson's
-  chi-square. Both are asymptotically chi-square with ``cells - 1`` degrees of freedom.
+* Statistic: the Cressie-Read power divergence with lambda = 2/3 by default (Cressie & Read
+  1984 recommend it because its chi-square approximation is the most accurate, in the tail
+  too), or the G-test (likelihood ratio, lambda = 0) or Pearson's chi-square (lambda = 1). All
+  are asymptotically chi-square with ``cells - 1`` degrees of freedom.
+* Level: the chi-square tail is an approximation, and at 1e-6 a relative error of tens of
+  percent is normal (Monte Carlo, 2e6 null samples, n = 1536 over 38-64 pooled cells: actual /
+  nominal at 1e-4 and 1e-5 was 1.24-1.50 for G, 1.08-1.55 for Pearson, 0.95-1.10 for
+  Cressie-Read 2/3). So a test is run at ``NOMINAL_ALPHA = ALPHA / TAIL_SAFETY``: the budget
+  holds even if the approximation is off by a factor ``TAIL_SAFETY`` in the far tail.
 * Pooling: the asymptotics need every expected count reasonably large, so cells whose expected
   count is below ``min_expected`` are merged (smallest first) until every pooled cell reaches it.
   Cells of probability zero are never pooled: a single draw there is an impossible event and
@@ -25,7 +32,11 @@ from dataclasses import dataclass
 import numpy as np
 
 ALPHA = 1e-6          # false-alarm budget per test
+TAIL_SAFETY = 2.0     # allowance for the chi-square approximation's error in the far tail
+NOMINAL_ALPHA = ALPHA / TAIL_SAFETY  # the level tests are run at
 MIN_EXPECTED = 10.0   # pooling threshold; stricter than the textbook 5 because ALPHA is a far tail
+CR_LAMBDA = 2.0 / 3.0
+METHODS = ("cr", "g", "pearson")
 
 _EPS = 1e-15
 _TINY = 1e-300
@@ -150,14 +161,18 @@ def pool_cells(expected: Sequence[float] | np.ndarray, min_expected: float = MIN
 
 
 def _statistic(observed: np.ndarray, expected: np.ndarray, method: str) -> np.ndarray:
-    """Row-wise G or Pearson statistic; ``observed``/``expected`` are ``[..., cells]``."""
+    """Row-wise statistic; ``observed``/``expected`` are ``[..., cells]``."""
+    if method == "cr":
+        lam = CR_LAMBDA
+        terms = observed * ((observed / expected) ** lam - 1.0)
+        return 2.0 / (lam * (lam + 1.0)) * terms.sum(axis=-1)
     if method == "g":
         with np.errstate(divide="ignore", invalid="ignore"):
             terms = np.where(observed > 0, observed * np.log(observed / expected), 0.0)
         return 2.0 * terms.sum(axis=-1)
     if method == "pearson":
         return ((observed - expected) ** 2 / expected).sum(axis=-1)
-    raise ValueError(f"method: must be 'g' or 'pearson', got {method!r}")
+    raise ValueError(f"method: must be one of {METHODS}, got {method!r}")
 
 
 @dataclass(frozen=True)
@@ -179,7 +194,8 @@ class GofResult:
 
     def summary(self) -> str:
         extra = f", {self.impossible_hits} draws of probability 0" if self.impossible_hits else ""
-        return (f"{self.method.upper()}={self.statistic:.2f} on {self.df} df over {self.cells} "
+        name = {"cr": "CR(2/3)", "g": "G", "pearson": "X2"}[self.method]
+        return (f"{name}={self.statistic:.2f} on {self.df} df over {self.cells} "
                 f"pooled cells, n={self.n}, p={self.p_value:.3g} (alpha {self.alpha:g}){extra}")
 
 
@@ -191,11 +207,11 @@ def _null(probs: Sequence[float] | np.ndarray) -> np.ndarray:
 
 
 def gof_test(counts: Sequence[int] | np.ndarray, probs: Sequence[float] | np.ndarray,
-             alpha: float = ALPHA, method: str = "g", min_expected: float = MIN_EXPECTED
-             ) -> GofResult:
+             alpha: float = NOMINAL_ALPHA, method: str = "cr",
+             min_expected: float = MIN_EXPECTED) -> GofResult:
     """Test observed ``counts`` against exact cell probabilities ``probs`` (same order)."""
-    if method not in ("g", "pearson"):
-        raise ValueError(f"method: must be 'g' or 'pearson', got {method!r}")
+    if method not in METHODS:
+        raise ValueError(f"method: must be one of {METHODS}, got {method!r}")
     observed = np.asarray(counts, dtype=np.float64)
     p = _null(probs)
     if observed.shape != p.shape or (observed < 0).any():
@@ -217,8 +233,9 @@ def gof_test(counts: Sequence[int] | np.ndarray, probs: Sequence[float] | np.nda
 
 
 def power(p_null: Sequence[float] | np.ndarray, p_alt: Sequence[float] | np.ndarray, n: int,
-          alpha: float = ALPHA, trials: int = 2000, rng: np.random.Generator | None = None,
-          method: str = "g", min_expected: float = MIN_EXPECTED) -> float:
+          alpha: float = NOMINAL_ALPHA, trials: int = 2000,
+          rng: np.random.Generator | None = None, method: str = "cr",
+          min_expected: float = MIN_EXPECTED) -> float:
     """Monte Carlo power: the fraction of ``trials`` samples of size ``n`` drawn from ``p_alt``
     that ``gof_test`` against ``p_null`` rejects at ``alpha``. Pooling and the critical value
     depend on the null and ``n`` only, so they are computed once."""

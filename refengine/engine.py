@@ -296,7 +296,7 @@ class Engine:
             outcome = self.worker.verify(reqs, verify_input)
             unfinished: list[int] = []
             for i, req in enumerate(reqs):
-                req.accept_lens.append(self._emit(req, outcome.emitted[i], events))
+                self._emit(req, outcome.emitted[i], events, verify_step=True)
                 if req.status is not ReqStatus.FINISHED:
                     self.worker.commit(req, outcome.nodes[i])
                     unfinished.append(i)
@@ -320,9 +320,12 @@ class Engine:
         return finish_reason(req.params, req.output_ids, req.seq_len, self.eos_token_id,
                              self.max_context_len, self.tokenizer.decode)
 
-    def _emit(self, req: Req, tokens: list[int], events: list[Event]) -> int:
+    def _emit(self, req: Req, tokens: list[int], events: list[Event],
+              verify_step: bool = False) -> int:
         """Append ``tokens`` one at a time, checking finish conditions after each: a stop
-        inside a speculative run ends it there. Returns how many were kept."""
+        inside a speculative run ends it there. A verify step's kept count is recorded in
+        ``accept_lens`` before any finish, so the last verify is counted too. Returns how many
+        tokens were kept."""
         kept: list[int] = []
         reason = None
         for token in tokens:
@@ -331,6 +334,8 @@ class Engine:
             reason = self._finish_reason(req)
             if reason is not None:
                 break
+        if verify_step:
+            req.accept_lens.append(len(kept))
         events.append(TokenEvent(req.rid, tuple(kept)))
         if reason is not None:
             self._finish(req, reason, events)

@@ -274,8 +274,11 @@ class StopInsideRunIgnored(Engine):
     """Finish conditions are checked once per step, after the whole accepted run, instead of
     per token: tokens after a stop (or past max_new_tokens) inside a run are emitted."""
 
-    def _emit(self, req: Req, tokens: list[int], events: list[Event]) -> int:
+    def _emit(self, req: Req, tokens: list[int], events: list[Event],
+              verify_step: bool = False) -> int:
         req.output_ids.extend(tokens)
+        if verify_step:
+            req.accept_lens.append(len(tokens))
         events.append(TokenEvent(req.rid, tuple(tokens)))
         reason = self._finish_reason(req)  # sees only the run's last token
         if reason is not None:

@@ -45,28 +45,32 @@ def build_tree_reference(root: torch.Tensor, cand_tokens: torch.Tensor,
     """root [b]; cand_tokens / cand_parents [b, C]; selected [b, N-1] ascending flat indices."""
     b, n = root.shape[0], selected.shape[1] + 1
     tokens = torch.cat([root[:, None], torch.gather(cand_tokens, 1, selected)], dim=1)
-    parents = torch.full((b, n), -1, dtype=torch.int64)
-    depth = torch.zeros((b, n), dtype=torch.int64)
+    flat_parents = torch.gather(cand_parents, 1, selected).tolist()
+    parents = [[-1] * n for _ in range(b)]
+    depth = [[0] * n for _ in range(b)]
+    next_token = [[-1] * n for _ in range(b)]
+    next_sibling = [[-1] * n for _ in range(b)]
     mask = torch.zeros((b, n, n), dtype=torch.bool)
-    next_token = torch.full((b, n), -1, dtype=torch.int64)
-    next_sibling = torch.full((b, n), -1, dtype=torch.int64)
-    for r in range(b):
-        node_of = {int(c): i + 1 for i, c in enumerate(selected[r].tolist())}
-        mask[r, 0, 0] = True
+    for r, chosen in enumerate(selected.tolist()):
+        node_of = {c: i + 1 for i, c in enumerate(chosen)}
+        ancestors: list[list[int]] = [[0]]
         for i in range(1, n):
-            flat_parent = int(cand_parents[r, selected[r, i - 1]])
+            flat_parent = flat_parents[r][i - 1]
             p = 0 if flat_parent < 0 else node_of.get(flat_parent)
             if p is None:
                 raise ValueError(f"request row {r}: node {i} selected without its parent")
-            parents[r, i] = p
-            depth[r, i] = depth[r, p] + 1
-            mask[r, i] = mask[r, p]
-            mask[r, i, i] = True
+            parents[r][i] = p
+            depth[r][i] = depth[r][p] + 1
+            ancestors.append([*ancestors[p], i])
         for i in range(n - 1, 0, -1):  # push at the head: siblings end up in ascending order
-            p = int(parents[r, i])
-            next_sibling[r, i] = next_token[r, p]
-            next_token[r, p] = i
-    return Tree(tokens, parents, depth, mask, next_token, next_sibling)
+            p = parents[r][i]
+            next_sibling[r][i] = next_token[r][p]
+            next_token[r][p] = i
+        for i, seen in enumerate(ancestors):
+            mask[r, i, seen] = True
+    as_tensor = lambda rows: torch.tensor(rows, dtype=torch.int64)  # noqa: E731
+    return Tree(tokens, as_tensor(parents), as_tensor(depth), mask, as_tensor(next_token),
+                as_tensor(next_sibling))
 
 
 @dataclass
@@ -85,22 +89,24 @@ def verify_tree_greedy_reference(tokens: torch.Tensor, next_token: torch.Tensor,
     ``target_predict[r, i]`` is the target's argmax token after node i.
     """
     b = tokens.shape[0]
-    accept_index = torch.full((b, max_depth + 1), -1, dtype=torch.int64)
-    accept_len = torch.zeros(b, dtype=torch.int64)
-    bonus = torch.zeros(b, dtype=torch.int64)
+    tok, first, sibling, want = (t.tolist() for t in (tokens, next_token, next_sibling,
+                                                       target_predict))
+    accept_index = [[-1] * (max_depth + 1) for _ in range(b)]
+    accept_len = [0] * b
+    bonus = [0] * b
     for r in range(b):
         last, n = 0, 0
-        accept_index[r, 0] = 0
+        accept_index[r][0] = 0
         for _ in range(max_depth):
-            child = int(next_token[r, last])
-            want = int(target_predict[r, last])
-            while child != -1 and int(tokens[r, child]) != want:
-                child = int(next_sibling[r, child])
+            child = first[r][last]
+            while child != -1 and tok[r][child] != want[r][last]:
+                child = sibling[r][child]
             if child == -1:
                 break
             n += 1
-            accept_index[r, n] = child
+            accept_index[r][n] = child
             last = child
         accept_len[r] = n
-        bonus[r] = target_predict[r, last]
-    return GreedyVerifyResult(accept_index, accept_len, bonus)
+        bonus[r] = want[r][last]
+    as_tensor = lambda rows: torch.tensor(rows, dtype=torch.int64)  # noqa: E731
+    return GreedyVerifyResult(as_tensor(accept_index), as_tensor(accept_len), as_tensor(bonus))

@@ -22,6 +22,7 @@ class DoubleFreeError(RuntimeError):
 @dataclass(frozen=True)
 class AllocatorState:
     free_pages: tuple[int, ...]
+    is_free: bytes
 
 
 class TokenAllocator:
@@ -71,10 +72,8 @@ class TokenAllocator:
         self._free.extend(reversed(pages))
 
     def backup_state(self) -> AllocatorState:
-        return AllocatorState(tuple(self._free))
+        return AllocatorState(tuple(self._free), bytes(self._is_free))
 
     def restore_state(self, state: AllocatorState) -> None:
         self._free = list(state.free_pages)
-        self._is_free = bytearray([0]) * self.num_pages
-        for page in self._free:
-            self._is_free[page] = 1
+        self._is_free = bytearray(state.is_free)

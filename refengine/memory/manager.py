@@ -67,18 +67,13 @@ class KVManager:
         if pages is None:
             raise MemoryError(f"request {req.rid!r}: KV pool exhausted (asked for {new_tokens} "
                               f"tokens, {self.allocator.free_slots} slots free)")
-        positions = torch.arange(start, end)
-        offsets = positions % ps
-        slots = torch.empty(new_tokens, dtype=torch.int64)
-        first_new_page = -(-start // ps)  # index of the first page this call allocates
-        page_of = positions // ps
-        fresh = page_of >= first_new_page
-        if pages:
-            page_ids = torch.tensor(pages, dtype=torch.int64)
-            slots[fresh] = page_ids[page_of[fresh] - first_new_page] * ps + offsets[fresh]
-        if (~fresh).any():  # the tail of the last page the request already owns
-            last_slot = int(self.rows.table[req.row, start - 1])
-            slots[~fresh] = last_slot + 1 + torch.arange(int((~fresh).sum()))
+        # First the rest of the last page the request already owns, then the new pages.
+        tail = min(new_tokens, -start % ps)
+        first = int(self.rows.table[req.row, start - 1]) + 1 if tail else 0
+        slot_list = list(range(first, first + tail))
+        for page in pages:
+            slot_list.extend(range(page * ps, page * ps + ps))
+        slots = torch.tensor(slot_list[:new_tokens], dtype=torch.int64)
         self.rows.table[req.row, start:end] = slots
         req.kv_allocated_len = end
         return slots
