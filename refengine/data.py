@@ -26,6 +26,9 @@ def golden_root() -> Path:
     return _bundled("golden", "_golden", "README.md")
 
 
+MANIFEST_SKIP = frozenset({"MANIFEST.json", "build.py", "__init__.py"})  # not fixture data
+
+
 def fixture_names() -> list[str]:
     root = fixtures_root()
     return sorted(p.parent.name for p in root.glob("*/config.json"))

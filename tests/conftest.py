@@ -48,3 +48,45 @@ def hf_random_model(random_model_dir: Path) -> torch.nn.Module:
 
     model = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32)
     return model.eval()
+
+
+def build_mimic_eagle(target_dir: Path, out: Path) -> Path:
+    """An EAGLE head that nearly mimics a ONE-layer target: ``fc`` passes the token embedding
+    through, the decoder layer and norm are the target's. It sees each token one position
+    early (RoPE is shift-invariant, so only the missing first token differs), which makes its
+    drafts mostly right: acceptance paths of every length occur on a random model."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((target_dir / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1, "the mimic head copies a one-layer target"
+    weights = load_file(str(target_dir / "model.safetensors"))
+    hidden = cfg["hidden_size"]
+    head = {"fc.weight": torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1),
+            "norm.weight": weights["model.norm.weight"]}
+    head.update({k.removeprefix("model."): v for k, v in weights.items()
+                 if k.startswith("model.layers.0.")})
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in head.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({**cfg,
+                                                 "architectures": ["LlamaForCausalLMEagle"]}))
+    return out
+
+
+@pytest.fixture(scope="session")
+def spec_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(one-layer random target directory, mimic EAGLE head directory)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("spec-pair")
+    target = root / "target"
+    cfg = LlamaConfig(vocab_size=RANDOM_VOCAB, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=RANDOM_CONTEXT, tie_word_embeddings=False,
+                      eos_token_id=0, bos_token_id=0)
+    torch.manual_seed(1)
+    LlamaForCausalLM(cfg).save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER_DIR / name, target / name)
+    return target, build_mimic_eagle(target, root / "eagle")
