@@ -1,0 +1,52 @@
+"""Acceptance of the bundled EAGLE head: tau and per-position acceptance on a prompt set.
+
+    python benchmarks/acceptance.py                       # the issue's B2 configurations
+    python benchmarks/acceptance.py --config 3,1,4 --config 4,4,10 --max-new-tokens 128
+
+Each ``--config S,k,N`` is (num_steps, topk, num_draft_tokens). Greedy, ``ignore_eos``, the
+whole prompt set in one batch. tau counts tokens per verify step, bonus included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from conformance.golden import summarize
+from conformance.prompts import load_prompt_set
+from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
+
+DEFAULT_CONFIGS = ["3,1,4", "4,4,10"]  # chain N=4 (goal tau >= 2.8), tree S4 k4 N10 (>= 3.2)
+
+
+def measure(config: SpecConfig, prompt_set: str, max_new_tokens: int, model: str) -> dict:
+    cases = load_prompt_set(prompt_set, model)
+    engine = Engine(EngineConfig(model=model, spec=config, kv_pool_tokens=65536,
+                                 max_running_requests=max(64, len(cases))))
+    start = time.perf_counter()
+    outs = engine.generate([list(c.ids) for c in cases],
+                           SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+    stats = summarize([o.accept_lens for o in outs], config.num_steps)
+    return {**stats, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", action="append", help="S,k,N (repeatable)")
+    parser.add_argument("--prompt-set", default="default")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--model", default="tiny-code")
+    parser.add_argument("--draft-model", default="tiny-code-eagle")
+    args = parser.parse_args()
+    for text in args.config or DEFAULT_CONFIGS:
+        steps, topk, tokens = (int(x) for x in text.split(","))
+        config = SpecConfig(draft_model=args.draft_model, num_steps=steps, topk=topk,
+                            num_draft_tokens=tokens)
+        r = measure(config, args.prompt_set, args.max_new_tokens, args.model)
+        print(f"S={steps} k={topk} N={tokens}: tau {r['mean_tau']}  per-position acceptance "
+              f"{r['per_position_acceptance']}  ({r['verify_steps']} verify steps, "
+              f"{r['seconds']} s)")
+
+
+if __name__ == "__main__":
+    main()
