@@ -20,15 +20,15 @@ RANDOM_VOCAB = 2048
 RANDOM_CONTEXT = 512
 
 
-def build_random_model(out: Path) -> Path:
-    """Write the random Llama (seeded, so every session builds the same weights) to ``out``."""
+def build_random_model(out: Path, layers: int = 2, seed: int = 0) -> Path:
+    """Write a random Llama (seeded, so every session builds the same weights) to ``out``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=RANDOM_VOCAB, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=RANDOM_CONTEXT, tie_word_embeddings=False,
                       eos_token_id=0, bos_token_id=0)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     LlamaForCausalLM(cfg).save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TOKENIZER_DIR / name, out / name)
@@ -77,16 +77,6 @@ def build_mimic_eagle(target_dir: Path, out: Path) -> Path:
 @pytest.fixture(scope="session")
 def spec_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(one-layer random target directory, mimic EAGLE head directory)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("spec-pair")
-    target = root / "target"
-    cfg = LlamaConfig(vocab_size=RANDOM_VOCAB, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=RANDOM_CONTEXT, tie_word_embeddings=False,
-                      eos_token_id=0, bos_token_id=0)
-    torch.manual_seed(1)
-    LlamaForCausalLM(cfg).save_pretrained(target)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER_DIR / name, target / name)
+    target = build_random_model(root / "target", layers=1, seed=1)
     return target, build_mimic_eagle(target, root / "eagle")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conformance.backends.mutants import _sample_tree_residual_is_p, draft_tree
+from conformance.backends.mutants import _residual_is_p, draft_tree
 from conformance.distribution import (
     JointLaw,
     Trees,
@@ -21,7 +21,7 @@ from conformance.distribution import (
     speculative_law,
 )
 from conformance.stats import gof_test
-from refengine.spec.verify import verify_tree_sampling
+from refengine.spec.verify import residual_without, verify_tree_sampling
 
 VOCAB = 7
 PROMPT = (1, 2)
@@ -123,17 +123,18 @@ def test_samplers_match_their_laws(children: tuple[int, ...]) -> None:
     next_token = [1 if children else -1] + [-1] * len(children)
     next_sibling = [-1] + [i + 2 for i in range(len(children) - 1)] + [-1]
     probs = p.expand(len(tokens), -1)
-    for sampler, bonus in ((verify_tree_sampling, reference_bonus),
-                           (_sample_tree_residual_is_p, biased_bonus)):
+    for residual, bonus in ((residual_without, reference_bonus),
+                            (_residual_is_p, biased_bonus)):
         counts = np.zeros(len(p))
         for seed in range(3000):
-            path = sampler(tokens, next_token, next_sibling, probs, 1, seed, 0)
+            path = verify_tree_sampling(tokens, next_token, next_sibling, probs, 1, seed, 0,
+                                        residual=residual)
             first = tokens[path.nodes[1]] if len(path.nodes) > 1 else path.bonus
             counts[first] += 1
         accepted, rest = emission(p, children, bonus)
         want = (accepted + rest).numpy()
         result = gof_test(counts, want)
-        assert not result.rejected, (sampler.__name__, result.summary())
+        assert not result.rejected, (residual.__name__, result.summary())
         if bonus is biased_bonus:  # visibly biased unless no child has mass
             assert gof_test(counts, p.numpy()).rejected == (float(p[list(children)].sum()) > 0)
     biased = sum(emission(p, (3,), biased_bonus))

@@ -27,12 +27,11 @@ from refengine.events import Event, TokenEvent
 from refengine.memory.manager import KVManager
 from refengine.model.attention import AttentionMetadata
 from refengine.request import FinishReason, Req
-from refengine.sampler import draw_generator, sampling_probs
 from refengine.scheduler import Scheduler
 from refengine.spec.draft_state import DraftState
-from refengine.spec.eagle_v1 import EagleWorker, VerifyOutcome
+from refengine.spec.eagle_v1 import EagleWorker
 from refengine.spec.inputs import DraftExtendInput, DraftInput, VerifyInput
-from refengine.spec.verify import SampledPath
+from refengine.spec.verify import SampledPath, verify_tree_sampling
 from refengine.stopping import finish_reason
 
 
@@ -138,67 +137,31 @@ def draft_tree(tokens: list[int], next_token: list[int], next_sibling: list[int]
     return tuple(sorted(nodes))
 
 
-def _sample_tree_residual_is_p(tokens: list[int], next_token: list[int],
-                               next_sibling: list[int], probs: torch.Tensor, max_depth: int,
-                               seed: int, first_position: int) -> SampledPath:
-    """``refengine.spec.verify.verify_tree_sampling`` with one line wrong: after every child is
-    rejected the bonus is drawn from ``p`` itself, the rejected children left in. A rejected
-    draft token can then come back as the bonus, so draft tokens are over-weighted: each child
-    ``c`` is emitted with ``p(c) + (1 - sum p(children)) p(c)`` instead of ``p(c)``."""
-    node, nodes = 0, [0]
-    for depth in range(max_depth + 1):
-        gen = draw_generator(seed, first_position + depth)
-        p = probs[node]
-        coin = float(torch.rand((), generator=gen, dtype=torch.float64))
-        below = 0.0
-        child = next_token[node] if depth < max_depth else -1
-        while child != -1:
-            mass = float(p[tokens[child]])
-            if coin < below + mass:
-                break
-            below += mass
-            child = next_sibling[child]
-        if child == -1:
-            bonus = int(torch.multinomial(p, 1, generator=gen))  # BUG: not p minus rejected
-            return SampledPath(nodes, bonus)
-        node = child
-        nodes.append(node)
-    raise AssertionError("unreachable: the depth limit always draws a bonus")
+def _residual_is_p(p: torch.Tensor, rejected: list[int]) -> torch.Tensor:
+    """BUG: the rejected children stay in. A rejected draft token can come back as the bonus,
+    so each child ``c`` is emitted with ``p(c) + (1 - sum p(children)) p(c)`` instead of
+    ``p(c)``: draft tokens are over-weighted."""
+    return p
 
 
 class _ResidualIsP(EagleWorker):
-    """Verifies as the reference does, then re-samples every sampled request's path with the
-    biased sampler (the logits are recomputed from the verify features, bit for bit the same
-    matmul). Records each draft tree per root sequence in ``trees``, so the distribution tier
-    can derive this mutant's exact output distribution (its negative-control power)."""
+    """Samples with the biased residual, and records each draft tree per root sequence in
+    ``trees`` so the distribution tier can derive this mutant's exact output distribution (its
+    negative-control power)."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.trees: dict[tuple[int, ...], Counter[DraftTree]] = {}
 
-    def verify(self, reqs: list[Req], vin: VerifyInput) -> VerifyOutcome:
-        outcome = super().verify(reqs, vin)
-        b, n = len(reqs), self.spec.num_draft_tokens
-        logits = None
-        for i, req in enumerate(reqs):
-            if req.params.greedy:
-                continue
-            if logits is None:
-                with torch.inference_mode():
-                    flat = self.target.lm_head(outcome.features.reshape(b * n, -1))
-                logits = flat.float().view(b, n, -1)
-            tokens = vin.draft_tokens[i].tolist()
-            next_token = vin.retrieve_next_token[i].tolist()
-            next_sibling = vin.retrieve_next_sibling[i].tolist()
-            root = (*req.prompt_ids, *req.output_ids)
-            self.trees.setdefault(root, Counter())[
-                draft_tree(tokens, next_token, next_sibling)] += 1
-            path = _sample_tree_residual_is_p(
-                tokens, next_token, next_sibling, sampling_probs(logits[i], req.params),
-                self.spec.num_steps, req.seed, len(req.output_ids))
-            outcome.nodes[i] = path.nodes
-            outcome.emitted[i] = [tokens[j] for j in path.nodes[1:]] + [path.bonus]
-        return outcome
+    def sample_path(self, req: Req, vin: VerifyInput, row: int, probs: torch.Tensor
+                    ) -> SampledPath:
+        tokens = vin.draft_tokens[row].tolist()
+        next_token = vin.retrieve_next_token[row].tolist()
+        next_sibling = vin.retrieve_next_sibling[row].tolist()
+        root = (*req.prompt_ids, *req.output_ids)
+        self.trees.setdefault(root, Counter())[draft_tree(tokens, next_token, next_sibling)] += 1
+        return verify_tree_sampling(tokens, next_token, next_sibling, probs, self.spec.num_steps,
+                                    req.seed, len(req.output_ids), residual=_residual_is_p)
 
 
 class BiasedVerifySampler(Engine):

@@ -38,7 +38,7 @@ from refengine.model.llama import ForwardBatch, LlamaForCausalLM
 from refengine.request import Req
 from refengine.sampler import sampling_probs
 from refengine.spec.inputs import DraftExtendInput, DraftInput, VerifyInput
-from refengine.spec.verify import verify_tree_sampling
+from refengine.spec.verify import SampledPath, verify_tree_sampling
 
 
 @dataclass
@@ -170,14 +170,19 @@ class EagleWorker:
                 path = greedy.accept_index[i, : a + 1].tolist()
                 bonus = int(greedy.bonus[i])
             else:
-                sampled = verify_tree_sampling(
-                    vin.draft_tokens[i].tolist(), vin.retrieve_next_token[i].tolist(),
-                    vin.retrieve_next_sibling[i].tolist(), sampling_probs(logits[i], req.params),
-                    self.spec.num_steps, req.seed, len(req.output_ids))
+                sampled = self.sample_path(req, vin, i, sampling_probs(logits[i], req.params))
                 path, bonus = sampled.nodes, sampled.bonus
             nodes.append(path)
             emitted.append([int(vin.draft_tokens[i, j]) for j in path[1:]] + [bonus])
         return VerifyOutcome(nodes, emitted, out.features.view(b, n, -1), vin)
+
+    def sample_path(self, req: Req, vin: VerifyInput, row: int, probs: torch.Tensor
+                    ) -> SampledPath:
+        """Tree speculative sampling for one sampled request (``probs``: [N, V] float64)."""
+        return verify_tree_sampling(
+            vin.draft_tokens[row].tolist(), vin.retrieve_next_token[row].tolist(),
+            vin.retrieve_next_sibling[row].tolist(), probs, self.spec.num_steps, req.seed,
+            len(req.output_ids))
 
     def commit(self, req: Req, nodes: list[int]) -> None:
         """Keep the accepted run's KV at positions s .. s+a and free the rest of the block."""

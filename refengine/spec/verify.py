@@ -16,6 +16,7 @@ so runs are reproducible and do not depend on batch composition.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,12 +30,26 @@ class SampledPath:
     bonus: int         # the token drawn after the last accepted node
 
 
+Residual = Callable[[torch.Tensor, list[int]], torch.Tensor]
+
+
+def residual_without(p: torch.Tensor, rejected: list[int]) -> torch.Tensor:
+    """``p`` with the rejected children's tokens removed (unnormalised): what makes the scheme
+    exact."""
+    residual = p.clone()
+    residual[rejected] = 0.0
+    return residual
+
+
 def verify_tree_sampling(tokens: list[int], next_token: list[int], next_sibling: list[int],
                          probs: torch.Tensor, max_depth: int, seed: int,
-                         first_position: int) -> SampledPath:
+                         first_position: int,
+                         residual: Residual = residual_without) -> SampledPath:
     """One request's tree; ``probs [N, V]`` float64 is the target distribution after each node.
 
-    ``first_position`` is the output index the first emitted token will take.
+    ``first_position`` is the output index the first emitted token will take. ``residual``
+    gives the distribution the bonus is drawn from after rejections (a seam for the bug zoo's
+    negative control; the default is the exact one).
     """
     node, nodes = 0, [0]
     for depth in range(max_depth + 1):
@@ -52,12 +67,11 @@ def verify_tree_sampling(tokens: list[int], next_token: list[int], next_sibling:
             removed.append(tokens[child])
             child = next_sibling[child]
         if child == -1:
-            residual = p.clone()
-            residual[removed] = 0.0
-            total = float(residual.sum())
+            rest = residual(p, removed)
+            total = float(rest.sum())
             if total <= 0.0:  # every token with mass was a rejected child: cannot happen
                 raise RuntimeError(f"empty residual after rejecting {removed}")
-            bonus = int(torch.multinomial(residual / total, 1, generator=gen))
+            bonus = int(torch.multinomial(rest / total, 1, generator=gen))
             return SampledPath(nodes, bonus)
         node = child
         nodes.append(node)
