@@ -22,9 +22,6 @@ NEW_TOKENS = 64
 LOGITS_TOL = 1e-4
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
 
-if not (REPO / "fixtures" / FIXTURE).exists():  # FIXTURE-PENDING: remove once it is committed
-    pytest.skip(f"fixtures/{FIXTURE} is not built yet", allow_module_level=True)
-
 PROMPTS: list[tuple[str, str]] = [
     (row["id"], row["text"])
     for row in (json.loads(line) for line in PROMPTS_FILE.read_text().splitlines() if line)
