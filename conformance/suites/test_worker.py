@@ -108,7 +108,8 @@ def test_filter_to_zero_rows_then_new_arrivals(sg: SuiteContext) -> None:
 @pytest.mark.parametrize("drafts", [0, 1, "max"])
 def test_forced_acceptance_keeps_accounting(sg: SuiteContext, drafts: int | str) -> None:
     """Whatever a verify accepts, KV accounting holds after every step (the driver checks
-    M1-M3) and the reported per-verify counts equal accepted drafts + 1."""
+    M1-M3) and the reported per-verify counts equal accepted drafts + 1. ("max" follows the
+    tree's first-child chain, which in a tree may end before depth S.)"""
     spec = _spec(sg)
     n = spec.num_steps if drafts == "max" else int(drafts)
     requests = {c.id: (list(c.ids), greedy(13)) for c in sg.prompts[:4]}
@@ -119,4 +120,9 @@ def test_forced_acceptance_keeps_accounting(sg: SuiteContext, drafts: int | str)
         outcomes = run_all(driver, requests)
     for rid, o in outcomes.items():
         assert len(o.output_ids) == 13, (rid, o)
-        assert all(a == n + 1 for a in o.accept_lens[:-1]), (rid, o.accept_lens)
+        ran = o.accept_lens[:-1]  # the last verify may be cut by max_new_tokens
+        if drafts == "max":
+            assert all(2 <= a <= n + 1 for a in ran), (rid, o.accept_lens)
+            assert spec.topk > 1 or all(a == n + 1 for a in ran), (rid, o.accept_lens)
+        else:
+            assert all(a == n + 1 for a in ran), (rid, o.accept_lens)
