@@ -68,7 +68,9 @@ def build_tree_reference(root: torch.Tensor, cand_tokens: torch.Tensor,
             next_token[r][p] = i
         for i, seen in enumerate(ancestors):
             mask[r, i, seen] = True
-    as_tensor = lambda rows: torch.tensor(rows, dtype=torch.int64)  # noqa: E731
+    def as_tensor(rows: list[list[int]]) -> torch.Tensor:  # [b, n] even when b == 0
+        return torch.tensor(rows, dtype=torch.int64).reshape(b, n)
+
     return Tree(tokens, as_tensor(parents), as_tensor(depth), mask, as_tensor(next_token),
                 as_tensor(next_sibling))
 
@@ -108,5 +110,6 @@ def verify_tree_greedy_reference(tokens: torch.Tensor, next_token: torch.Tensor,
             last = child
         accept_len[r] = n
         bonus[r] = want[r][last]
-    as_tensor = lambda rows: torch.tensor(rows, dtype=torch.int64)  # noqa: E731
-    return GreedyVerifyResult(as_tensor(accept_index), as_tensor(accept_len), as_tensor(bonus))
+    return GreedyVerifyResult(
+        torch.tensor(accept_index, dtype=torch.int64).reshape(b, max_depth + 1),
+        torch.tensor(accept_len, dtype=torch.int64), torch.tensor(bonus, dtype=torch.int64))
