@@ -7,6 +7,8 @@ or configuration error, reported as one line on stderr without a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import sys
@@ -121,7 +123,9 @@ def _run_suite_quietly(backend: str, spec: str, profile: str, model: str, result
         args.append("-x")
     if draft_model:
         args += ["--specgate-draft-model", draft_model]
-    pytest.main(args)
+    # The verdict comes from the results file; pytest's own report would bury the table.
+    with contextlib.redirect_stdout(io.StringIO()):
+        pytest.main(args)
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
