@@ -8,6 +8,7 @@ on it; ``transformers`` loads the same directory as the outside oracle.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,16 @@ def build_random_model(out: Path, layers: int = 2, seed: int = 0) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TOKENIZER_DIR / name, out / name)
     return out
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread for a module: the tiny models gain nothing from more, and xdist
+    workers share the cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

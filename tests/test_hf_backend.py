@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from tokenizers import Tokenizer
 
 from conformance.adapter import (
@@ -33,13 +32,7 @@ from refengine.data import fixtures_root
 LONG = 24  # tokens of the reference greedy run the finish tests derive expectations from
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    # The suite shares the machine; the tiny model gains nothing from more threads.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
