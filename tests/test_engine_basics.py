@@ -405,6 +405,19 @@ def test_abort_queued_before_any_step(random_model_dir: Path) -> None:
     assert engine.step() == []
 
 
+def assert_aborted_unborn_and_survivor_intact(engine: Engine, run: Run, victim: str,
+                                              survivor: str, want: list[int]) -> None:
+    """``victim`` was aborted before emitting a token: its finish comes with the next step and
+    carries no output; the survivor then finishes exactly as unconstrained; nothing leaks."""
+    events = run.step(engine)
+    assert finish_of(events, victim).reason == "abort"
+    assert finish_of(events, victim).output_ids == ()
+    drive(engine, run=run)
+    assert victim not in run.tokens
+    assert run.tokens[survivor] == want
+    assert_idle(engine)
+
+
 def test_abort_queued_behind_running(random_model_dir: Path,
                                      reference: list[tuple[list[int], torch.Tensor]]) -> None:
     engine = make_engine(random_model_dir, max_running_requests=1)
@@ -415,13 +428,7 @@ def test_abort_queued_behind_running(random_model_dir: Path,
         run.step(engine)
     assert "wait" not in engine.memory().requests  # still queued: no row, no KV
     engine.abort("wait")
-    events = run.step(engine)
-    assert finish_of(events, "wait").reason == "abort"
-    assert finish_of(events, "wait").output_ids == ()
-    drive(engine, run=run)
-    assert "wait" not in run.tokens
-    assert run.tokens["run"] == reference[1][0]
-    assert_idle(engine)
+    assert_aborted_unborn_and_survivor_intact(engine, run, "wait", "run", reference[1][0])
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -439,13 +446,7 @@ def test_abort_mid_chunked_prefill(random_model_dir: Path, page_size: int,
     view = engine.memory()
     assert "long" not in view.requests
     assert conservation_error(view) is None and bounds_error(view) is None
-    events = run.step(engine)
-    assert finish_of(events, "long").reason == "abort"
-    assert finish_of(events, "long").output_ids == ()
-    drive(engine, run=run)
-    assert "long" not in run.tokens
-    assert run.tokens["short"] == reference[0][0]
-    assert_idle(engine)
+    assert_aborted_unborn_and_survivor_intact(engine, run, "long", "short", reference[0][0])
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
