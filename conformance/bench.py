@@ -9,14 +9,17 @@ first backend's plain decoding with each configuration of that spec, side by sid
 speedup, tau (tokens per verify, bonus included), per-position acceptance and — for the
 reference engine — where the time goes (schedule / prefill / draft / verify / extend).
 
-The workload is fixed so runs are comparable: the first ``b`` prompts of
-``fixtures/prompts/default.jsonl`` (cycled when ``b`` exceeds the file), greedy, ``ignore_eos``
-and a fixed ``max_new_tokens``, so every request emits the same number of tokens on every
-backend.
+The workload is fixed so runs are comparable: greedy, ``ignore_eos`` and a fixed
+``max_new_tokens``, so every request emits the same number of tokens on every backend. Batch
+size ``b`` runs ``ceil(min_requests / b)`` groups of ``b`` prompts, taken in order from
+``fixtures/prompts/default.jsonl`` (cycled): batch 1 then measures several prompts rather than
+whichever happens to come first. Lanes take turns group by group, so slow drifts of a noisy
+machine fall on every lane alike.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -142,10 +145,36 @@ def _phase_seconds(handle: EngineHandle) -> dict[str, float]:
     return dict(getattr(engine, "phase_seconds", {}))
 
 
+@dataclass
+class GroupRun:
+    """One lane on one group of prompts."""
+
+    tokens: int
+    seconds: float
+    accept_lens: list[list[int]]     # per request
+    phase_seconds: dict[str, float]
+
+
+def _timing(runs: list[GroupRun], spec: SpecConfig | None) -> BackendTiming:
+    """One lane's groups at one batch size, pooled: tokens and seconds summed, tau over every
+    request, seconds per phase summed."""
+    tokens = sum(r.tokens for r in runs)
+    seconds = sum(r.seconds for r in runs)
+    accepts = [a for r in runs for a in r.accept_lens]
+    phases: dict[str, float] = {}
+    for r in runs:
+        for k, v in r.phase_seconds.items():
+            phases[k] = phases.get(k, 0.0) + v
+    stats = summarize(accepts, spec.num_steps) if spec else {}
+    return BackendTiming(tokens / seconds if seconds > 0 else 0.0, tokens, seconds,
+                         stats.get("mean_tau"), list(stats.get("per_position_acceptance", [])),
+                         {k: round(v, 4) for k, v in phases.items()})
+
+
 def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, spec: str,
               progress: Callable[[str], None], model: str = "tiny-code",
               loader: Callable[[str], Backend] | None = None,
-              draft_model: str | None = None) -> BenchResult:
+              draft_model: str | None = None, min_requests: int = 1) -> BenchResult:
     """Time each backend on each batch size; ``loader`` defaults to the backend registry.
 
     Backends are opened once and warmed up once (batch 1, a few tokens: first-call allocations
@@ -163,15 +192,19 @@ def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, 
         raise ValueError(f"--batch-sizes: expected integers >= 1, got {batch_sizes}")
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens: must be >= 1, got {max_new_tokens}")
+    if min_requests < 1:
+        raise ValueError(f"--min-requests: must be >= 1, got {min_requests}")
     if loader is None:
         from conformance.registry import load_backend  # lazy: the CLI imports this module early
         loader = load_backend
 
-    prompts = load_prompts(model, max(batch_sizes))
+    groups = {b: math.ceil(min_requests / b) for b in batch_sizes}
+    prompts = load_prompts(model, max(b * g for b, g in groups.items()))
     biggest = max(batch_sizes)
-    # Room for the whole largest batch at once, so a paged backend never retracts mid-bench.
-    # Room for the largest batch plus a speculative step's reserve, so nothing retracts.
-    pool = sum(len(p) + max_new_tokens + 64 for p in prompts[:biggest]) + biggest
+    # Room for the longest prompts of the largest batch plus a speculative step's reserve each,
+    # so a paged backend never retracts mid-bench.
+    longest = sorted((len(p) for p in prompts), reverse=True)[:biggest]
+    pool = sum(n + max_new_tokens + 64 for n in longest) + biggest
     result = BenchResult(spec=spec, model=model, max_new_tokens=max_new_tokens,
                          threads=torch.get_num_threads(), backends=[ln.label for ln in lanes],
                          versions={})
@@ -188,21 +221,22 @@ def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, 
             _run_batch(handles[lane.label], prompts[:1], _WARMUP_TOKENS, "warmup")
         for b in batch_sizes:
             row = BenchRow(batch_size=b)
+            runs: dict[str, list[GroupRun]] = {lane.label: [] for lane in lanes}
+            for g in range(groups[b]):
+                for lane in lanes:
+                    handle = handles[lane.label]
+                    before = _phase_seconds(handle)
+                    tokens, seconds, accepts = _run_batch(
+                        handle, prompts[g * b:(g + 1) * b], max_new_tokens, f"b{b}g{g}")
+                    phases = {k: v - before.get(k, 0.0)
+                              for k, v in _phase_seconds(handle).items()}
+                    runs[lane.label].append(GroupRun(tokens, seconds, accepts, phases))
             for lane in lanes:
-                handle = handles[lane.label]
-                before = _phase_seconds(handle)
-                tokens, seconds, accepts = _run_batch(handle, prompts[:b], max_new_tokens,
-                                                      f"b{b}")
-                phases = {k: round(v - before.get(k, 0.0), 4)
-                          for k, v in _phase_seconds(handle).items()}
-                stats = summarize(accepts, lane.spec.num_steps) if lane.spec else {}
-                row.results[lane.label] = BackendTiming(
-                    tokens / seconds if seconds > 0 else 0.0, tokens, seconds,
-                    stats.get("mean_tau"), list(stats.get("per_position_acceptance", [])),
-                    phases)
+                row.results[lane.label] = _timing(runs[lane.label], lane.spec)
                 progress(f"batch {b:>3}: {lane.label} "
                          f"{row.results[lane.label].tokens_per_s:,.1f} tok/s "
-                         f"({tokens} tokens in {seconds:.3f} s)")
+                         f"({row.results[lane.label].total_tokens} tokens in "
+                         f"{row.results[lane.label].seconds:.3f} s)")
             result.rows.append(row)
     finally:
         for handle in handles.values():

@@ -222,22 +222,16 @@ def cmd_golden(args: argparse.Namespace) -> int:
 # --- bench ------------------------------------------------------------------------------------
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from conformance.bench import format_table, run_bench
+    from conformance.bench import format_table, parse_batch_sizes, run_bench
 
     backends = [b for b in (args.backends or ("refengine,hf" if args.spec == "none"
                                                else "refengine")).split(",") if b]
     _validate(args.spec, backends, args.model, args.draft_model)
     try:
-        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-        if any(b < 1 for b in batch_sizes):
-            raise ValueError
-    except ValueError:
-        raise UsageError(f"--batch-sizes: expected positive integers like 1,8,32, got "
-                         f"{args.batch_sizes!r}") from None
-    try:
-        result = run_bench(backends=backends, batch_sizes=batch_sizes,
+        result = run_bench(backends=backends, batch_sizes=parse_batch_sizes(args.batch_sizes),
                            max_new_tokens=args.max_new_tokens, spec=args.spec,
-                           progress=_progress, model=args.model, draft_model=args.draft_model)
+                           progress=_progress, model=args.model, draft_model=args.draft_model,
+                           min_requests=args.min_requests)
     except (ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
     print(format_table(result))
@@ -308,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-sizes", default="1,8,32")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=64)
     bench.add_argument("--model", default="tiny-code", help="fixture name or model directory")
+    bench.add_argument("--min-requests", type=_positive_int, default=8,
+                       help="requests per batch size at least: batch b runs ceil(n/b) groups")
     bench.add_argument("--json", default=None, help="also write the figures here")
     bench.add_argument("--draft-model", default=None,
                        help="override the spec configurations' draft model")

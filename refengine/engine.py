@@ -191,8 +191,7 @@ class Engine:
         try:
             n = len(ids)
             fb = ForwardBatch(torch.tensor(ids), torch.arange(n), self.kv.extend(req, n),
-                              self._attention_metadata(torch.tensor([req.row]), [n], [n]),
-                              torch.arange(n))
+                              self._attention_metadata(torch.tensor([req.row]), [n], [n]))
             return self.model(fb, self.kv.kv).logits
         finally:
             self.kv.release(req)

@@ -57,6 +57,16 @@ def test_single_backend_has_no_ratio(random_model_dir: Path) -> None:
     assert ["batch", "hf", "tok/s"] in [line.split() for line in format_table(result).splitlines()]
 
 
+def test_min_requests_runs_groups_of_each_batch_size(random_model_dir: Path) -> None:
+    """Batch b runs ceil(min_requests / b) groups; their tokens and seconds are pooled."""
+    messages: list[str] = []
+    result = run_bench(["refengine"], [1, 2], 3, "none", messages.append,
+                       model=str(random_model_dir), min_requests=3)
+    totals = [row.results["refengine"].total_tokens for row in result.rows]
+    assert totals == [3 * 3, 2 * 2 * 3]
+    assert "batch   1: refengine" in messages[-2] and "(9 tokens in" in messages[-2]
+
+
 def test_rejects_bad_arguments(random_model_dir: Path) -> None:
     model = str(random_model_dir)
     with pytest.raises(ValueError, match=r"^--spec: 'warp' not supported by bench"):
@@ -67,6 +77,8 @@ def test_rejects_bad_arguments(random_model_dir: Path) -> None:
         run_bench(["refengine"], [1], 0, "none", print, model=model)
     with pytest.raises(ValueError, match=r"^--backends"):
         run_bench(["hf", "hf"], [1], 4, "none", print, model=model)
+    with pytest.raises(ValueError, match=r"^--min-requests"):
+        run_bench(["refengine"], [1], 4, "none", print, model=model, min_requests=0)
 
 
 def test_parse_batch_sizes() -> None:

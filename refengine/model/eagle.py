@@ -41,12 +41,12 @@ class EagleDraftModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, features: torch.Tensor, kv: KVPool
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (logits [len(logits_index), vocab] float32, predicted features [tokens, H])."""
+        """-> (logits [wanted tokens, vocab] float32, predicted features [tokens, H])."""
         x = self.fc(torch.cat([self._embed(batch.input_ids), features.to(self.fc.weight.dtype)],
                               dim=-1))
-        x = self.layers[0](x, batch, kv, self._rotary)
+        x = self.layers[0](x, batch, kv, self._rotary.at(batch.positions, x.dtype))
         predicted = self.norm(x)
-        return self._lm_head(predicted[batch.logits_index]).float(), predicted
+        return self._lm_head(batch.wanted(predicted)).float(), predicted
 
     @classmethod
     def load(cls, path: Path, target: LlamaForCausalLM, dtype: torch.dtype,

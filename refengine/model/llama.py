@@ -29,7 +29,11 @@ class ForwardBatch:
     positions: torch.Tensor        # [tokens]
     out_slots: torch.Tensor        # [tokens] KV slot each new token writes
     attention: AttentionMetadata
-    logits_index: torch.Tensor     # flat token indices whose logits are wanted
+    logits_index: torch.Tensor | None = None  # flat token indices whose logits are wanted
+                                              # (None: every token)
+
+    def wanted(self, features: torch.Tensor) -> torch.Tensor:
+        return features if self.logits_index is None else features[self.logits_index]
 
 
 class RMSNorm(nn.Module):
@@ -54,12 +58,22 @@ class Rotary:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions][:, None, :].to(x.dtype)
-        sin = self.sin[positions][:, None, :].to(x.dtype)
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAt:
+        """The tables at one forward's positions, gathered once for all its layers."""
+        return RopeAt(self.cos[positions][:, None, :].to(dtype),
+                      self.sin[positions][:, None, :].to(dtype))
+
+
+@dataclass
+class RopeAt:
+    cos: torch.Tensor  # [tokens, 1, head_dim]
+    sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, heads, head_dim]."""
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        return x * self.cos + rotated * self.sin
 
 
 class Attention(nn.Module):
@@ -74,10 +88,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool,
-                rotary: Rotary) -> torch.Tensor:
+                rope: RopeAt) -> torch.Tensor:
         n = x.shape[0]
-        q = rotary.apply(self.q_proj(x).view(n, self.heads, self.head_dim), batch.positions)
-        k = rotary.apply(self.k_proj(x).view(n, self.kv_heads, self.head_dim), batch.positions)
+        q = rope.apply(self.q_proj(x).view(n, self.heads, self.head_dim))
+        k = rope.apply(self.k_proj(x).view(n, self.kv_heads, self.head_dim))
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
         kv.write(self.layer, batch.out_slots, k, v)
         out = paged_attention(q, kv.k[self.layer], kv.v[self.layer], batch.attention,
@@ -105,8 +119,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool,
-                rotary: Rotary) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv, rotary)
+                rope: RopeAt) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -120,7 +134,7 @@ class LlamaBody(nn.Module):
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor          # [len(logits_index), vocab], float32
+    logits: torch.Tensor          # [wanted tokens, vocab], float32
     features: torch.Tensor        # [tokens, hidden]: final-norm outputs (what the LM head reads)
 
 
@@ -138,10 +152,11 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool) -> ForwardOutput:
         x = self.model.embed_tokens(batch.input_ids)
+        rope = self.rotary.at(batch.positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, batch, kv, self.rotary)
+            x = layer(x, batch, kv, rope)
         features = self.model.norm(x)
-        return ForwardOutput(self.lm_head(features[batch.logits_index]).float(), features)
+        return ForwardOutput(self.lm_head(batch.wanted(features)).float(), features)
 
     @classmethod
     def load(cls, path: Path, dtype: torch.dtype, device: str) -> LlamaForCausalLM:

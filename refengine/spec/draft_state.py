@@ -31,6 +31,8 @@ class DraftState:
             self._keep([i for i, r in enumerate(self.rids) if r != rid])
 
     def aligned(self, rids: list[str]) -> DraftInput:
+        if rids == self.rids:
+            return self.draft_input  # already aligned: the common step, no copy
         index = {r: i for i, r in enumerate(self.rids)}
         missing = [r for r in rids if r not in index]
         if missing:

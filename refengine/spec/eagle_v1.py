@@ -106,24 +106,25 @@ class EagleWorker:
             for r in reqs:
                 self.kv.extend(r, scratch)
         offset = k
+        own_entry = torch.eye(k, dtype=torch.bool)   # beam node m sees its own scratch entry
         for i in range(1, steps):
             own = torch.arange((i - 1) * k, i * k)
             node_mask = ancestors.clone()
-            node_mask[:, torch.arange(k), own] = True
+            node_mask[:, :, (i - 1) * k:i * k] |= own_entry
             width = i * k
             meta = AttentionMetadata.build(self.kv.rows.table, rows, [k] * b,
                                            (seq + width).tolist(),
                                            [node_mask[r, :, :width] for r in range(b)])
             slots = self.kv.rows.table[rows[:, None], seq[:, None] + own[None, :]]
-            fb = ForwardBatch(beam_tokens.reshape(-1), (seq + i - 1).repeat_interleave(k),
-                              slots.reshape(-1), meta, torch.arange(b * k))
+            positions = (seq[:, None] + (i - 1)).expand(b, k).reshape(-1)
+            fb = ForwardBatch(beam_tokens.reshape(-1), positions, slots.reshape(-1), meta)
             logits, predicted = self.draft_model(fb, beam_feat.reshape(b * k, -1),
                                                  self.kv.draft_kv)
             child_p, child_tok = _topk(logits, k)                      # [b*k, k]
             child_scores = (beam_scores[:, :, None] * child_p.view(b, k, k)).reshape(b, k * k)
             scores.append(child_scores)
             cand_tokens.append(child_tok.view(b, k * k))
-            cand_parents.append(beam_flat.repeat_interleave(k, dim=1))
+            cand_parents.append(beam_flat[:, :, None].expand(b, k, k).reshape(b, k * k))
             pick = torch.sort(-child_scores, dim=-1, stable=True).indices[:, :k]  # next beam
             parent_slot = pick // k
             beam_tokens = torch.gather(child_tok.view(b, k * k), 1, pick)
@@ -157,7 +158,7 @@ class EagleWorker:
         meta = AttentionMetadata.build(self.kv.rows.table, rows, [n] * b,
                                        [s + n for s in seq], list(vin.tree_mask))
         fb = ForwardBatch(vin.draft_tokens.reshape(-1), vin.positions.reshape(-1),
-                          slots.reshape(-1), meta, torch.arange(b * n))
+                          slots.reshape(-1), meta)
         out = self.target(fb, self.kv.kv)
         logits = out.logits.view(b, n, -1)
         greedy = verify_tree_greedy_reference(vin.draft_tokens, vin.retrieve_next_token,
