@@ -263,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "write report.md, report.json and junit.xml")
     certify.add_argument("--backend", default=os.environ.get("SPECGATE_BACKEND", "refengine"),
                          help="entry-point name (refengine, hf) or module:factory")
-    certify.add_argument("--spec", default="none", help="none | all (default: none)")
+    certify.add_argument("--spec", default="none",
+                         help="none | eagle | eagle-tree | all (default: none)")
     certify.add_argument("--profile", default="gate", choices=["gate", "full"])
     certify.add_argument("--report", default="specgate-report", help="output directory")
     certify.add_argument("-n", dest="workers", type=_positive_int,
