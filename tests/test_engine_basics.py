@@ -47,6 +47,14 @@ def assert_idle(engine: Engine) -> None:
     assert idle_error(engine.memory()) is None
 
 
+def assert_matches_reference(run: Run, i: int,
+                             reference: list[tuple[list[int], torch.Tensor]]) -> None:
+    """Request ``r{i}`` of ``run`` emitted transformers' greedy tokens, with matching logits."""
+    tokens, logits = reference[i]
+    assert run.tokens[f"r{i}"] == tokens, f"prompt {i}"
+    assert max_logit_diff(run.logits[f"r{i}"], logits) < LOGITS_TOL
+
+
 # --- greedy == transformers -------------------------------------------------------------------
 
 
@@ -59,10 +67,8 @@ def test_greedy_matches_transformers_one_at_a_time(
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, GREEDY)
         run = drive(engine, recorder)
-        tokens, logits = reference[i]
-        assert run.tokens[f"r{i}"] == tokens, f"prompt {i}"
+        assert_matches_reference(run, i, reference)
         assert run.finishes[f"r{i}"].reason == "length"
-        assert max_logit_diff(run.logits[f"r{i}"], logits) < LOGITS_TOL
         assert_idle(engine)
 
 
@@ -77,9 +83,7 @@ def test_greedy_matches_transformers_all_at_once(
     run = drive(engine, recorder)
     assert run.steps == NEW  # one prefill step for the whole batch, then NEW - 1 decode steps
     for i in range(len(PROMPTS)):
-        tokens, logits = reference[i]
-        assert run.tokens[f"r{i}"] == tokens, f"prompt {i}"
-        assert max_logit_diff(run.logits[f"r{i}"], logits) < LOGITS_TOL
+        assert_matches_reference(run, i, reference)
     assert_idle(engine)
 
 
