@@ -15,6 +15,10 @@ import sys
 import tempfile
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI imports heavy modules lazily, inside each command
+    from conformance.adapter import SpecConfig
 
 USAGE_ERROR = 2
 
@@ -171,7 +175,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
 
 # --- golden -----------------------------------------------------------------------------------
 
-def _golden_configs(spec: str) -> list:
+def _golden_configs(spec: str) -> list[SpecConfig]:
     from conformance.specs import resolve_specs
 
     try:

@@ -89,7 +89,9 @@ def exact_law(probs_of: ProbsOf, prompt_id: str, prompt: tuple[int, ...], tokens
 # --- the speculative sampler's law ------------------------------------------------------------
 
 def reference_bonus(p: torch.Tensor, children: tuple[int, ...]) -> torch.Tensor:
-    """The correct after-rejection law: ``p`` without the rejected children, renormalised."""
+    """The correct after-rejection law: ``p`` without the rejected children, renormalised.
+    Written here again on purpose rather than imported from ``refengine.spec.verify``: the
+    oracle must not share code with the sampler it judges."""
     residual = p.clone()
     residual[list(children)] = 0.0
     total = float(residual.sum())

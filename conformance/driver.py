@@ -8,6 +8,7 @@ fails instead of hanging.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from conformance.adapter import (
@@ -87,13 +88,18 @@ class Driver:
 
     def run(self, max_steps: int = 100_000) -> dict[str, Outcome]:
         """Step until every submitted request has finished."""
-        start = self.steps
-        while self.live:
-            if self.steps - start >= max_steps:
-                raise InvariantError(f"no progress: {len(self.live)} requests still live after "
-                                     f"{max_steps} steps: {sorted(self.live)[:5]}")
-            self.step()
+        self.step_until(lambda: not self.live, max_steps,
+                        lambda: f"{len(self.live)} requests still live: {sorted(self.live)[:5]}")
         return self.outcomes
+
+    def step_until(self, done: Callable[[], bool], max_steps: int,
+                   what: Callable[[], str]) -> None:
+        """Step until ``done()``; a backend that stalls fails the check instead of hanging it."""
+        start = self.steps
+        while not done():
+            if self.steps - start >= max_steps:
+                raise InvariantError(f"no progress after {max_steps} steps: {what()}")
+            self.step()
 
 
 def step_budget(requests: list[tuple[list[int], SamplingParams]]) -> int:

@@ -193,6 +193,16 @@ def tree_cases(max_batch: int = 6, max_topk: int = 4, max_steps: int = 5,
     return cases()
 
 
+ORPHAN_ERROR = "request row 0: node 2 selected without its parent"
+
+
+def orphan_tree_args() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Build-tree arguments (root, cand_tokens, cand_parents, selected) whose selection holds
+    candidate 4 without its parent, candidate 1: an implementation must raise ORPHAN_ERROR."""
+    return (torch.tensor([9]), torch.tensor([[1, 2, 3, 4, 5, 6]]),
+            torch.tensor([[-1, -1, 0, 0, 1, 1]]), torch.tensor([[0, 4]]))
+
+
 @dataclass(frozen=True)
 class PublishedVector:
     """sgl-kernel's greedy-verify test vector (sglang-eagle-v1-v2.md §5.3), in local node

@@ -60,8 +60,7 @@ class RefEngineWorkerHooks:
             return vin
 
         def traced_verify(reqs, vin):  # type: ignore[no-untyped-def]
-            outcome = self._force(reqs, verify(reqs, vin))
-            return outcome
+            return self._force(reqs, verify(reqs, vin))
 
         def traced_extend(outcome, keep):  # type: ignore[no-untyped-def]
             ext = extend(outcome, keep)

@@ -179,11 +179,15 @@ class Engine:
 
     def next_token_logits(self, prompt: Prompt) -> torch.Tensor:
         """The target's float32 logits for the token after ``prompt``."""
-        return self.prompt_logits(prompt)[-1]
+        return self._score(prompt, last_only=True)[0]
 
     def prompt_logits(self, prompt: Prompt) -> torch.Tensor:
-        """The target's float32 logits after every position of ``prompt`` ([n, vocab]): a scoring
-        prefill that leaves the engine as it found it (row and slots released on return)."""
+        """The target's float32 logits after every position of ``prompt`` ([n, vocab])."""
+        return self._score(prompt, last_only=False)
+
+    def _score(self, prompt: Prompt, last_only: bool) -> torch.Tensor:
+        """A scoring prefill that leaves the engine as it found it (row and slots released on
+        return); logits after the last position only, or after every one."""
         ids = self.tokenize(prompt)
         req = Req("__score__", ids, SamplingParams(max_new_tokens=1), 0, -1)
         if not self.kv.assign_row(req):
@@ -191,7 +195,8 @@ class Engine:
         try:
             n = len(ids)
             fb = ForwardBatch(torch.tensor(ids), torch.arange(n), self.kv.extend(req, n),
-                              self._attention_metadata(torch.tensor([req.row]), [n], [n]))
+                              self._attention_metadata(torch.tensor([req.row]), [n], [n]),
+                              torch.tensor([n - 1]) if last_only else None)
             return self.model(fb, self.kv.kv).logits
         finally:
             self.kv.release(req)

@@ -15,7 +15,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from conformance.kernels import TreeCase, published_greedy_vector, tree_cases
+from conformance.kernels import (
+    ORPHAN_ERROR,
+    TreeCase,
+    orphan_tree_args,
+    published_greedy_vector,
+    tree_cases,
+)
 from refengine.kernels.tree_reference import (
     Tree,
     build_tree_reference,
@@ -145,11 +151,8 @@ def test_tree_is_well_formed(case: TreeCase) -> None:
 
 
 def test_build_rejects_a_node_without_its_parent() -> None:
-    root = torch.tensor([9])
-    cand_tokens = torch.tensor([[1, 2, 3, 4, 5, 6]])
-    cand_parents = torch.tensor([[-1, -1, 0, 0, 1, 1]])
-    with pytest.raises(ValueError, match="node 2 selected without its parent"):
-        build_tree_reference(root, cand_tokens, cand_parents, torch.tensor([[0, 4]]))
+    with pytest.raises(ValueError, match=ORPHAN_ERROR):
+        build_tree_reference(*orphan_tree_args())
 
 
 # --- greedy verify ------------------------------------------------------------------------------

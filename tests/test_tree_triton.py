@@ -19,7 +19,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from conformance.kernels import TreeCase, published_greedy_vector, tree_cases
+from conformance.kernels import (
+    ORPHAN_ERROR,
+    TreeCase,
+    orphan_tree_args,
+    published_greedy_vector,
+    tree_cases,
+)
 from refengine.kernels.tree_reference import (
     build_tree_reference,
     verify_tree_greedy_reference,
@@ -92,11 +98,8 @@ def test_int32_inputs_and_empty_batch() -> None:
 
 @needs_triton_runtime
 def test_build_rejects_a_node_without_its_parent() -> None:
-    root = torch.tensor([9])
-    cand_tokens = torch.tensor([[1, 2, 3, 4, 5, 6]])
-    cand_parents = torch.tensor([[-1, -1, 0, 0, 1, 1]])
-    with pytest.raises(ValueError, match="request row 0: node 2 selected without its parent"):
-        build_tree_triton(root, cand_tokens, cand_parents, torch.tensor([[0, 4]]))
+    with pytest.raises(ValueError, match=ORPHAN_ERROR):
+        build_tree_triton(*orphan_tree_args())
 
 
 def test_refuses_to_run_without_gpu_or_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:

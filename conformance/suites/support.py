@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Literal
 
 import pytest
 
@@ -23,7 +24,7 @@ def parametrize_spec_configs(metafunc: pytest.Metafunc) -> None:
 
 
 @contextmanager
-def open_driver(sg: SuiteContext, spec: SpecConfig | str | None = "first",
+def open_driver(sg: SuiteContext, spec: SpecConfig | Literal["first"] | None = "first",
                 **limits: int) -> Iterator[Driver]:
     """A fresh engine instance of the backend under test. ``spec``: a configuration of the
     spec being certified; by default its first one."""

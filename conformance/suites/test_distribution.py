@@ -37,8 +37,7 @@ Everything is seeded, so the outcome is reproducible run to run.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -80,20 +79,6 @@ def sampling_params(seed: int) -> SamplingParams:
                           ignore_eos=True, seed=seed)
 
 
-@contextmanager
-def single_thread() -> Iterator[None]:
-    """One torch intra-op thread. The tier is thousands of small ops (per-request sampling,
-    short scoring prefills) that gain nothing from a second thread but stall for milliseconds
-    each when the cores are shared (xdist workers, a busy machine): measured 4x slower runs and
-    30x slower scoring prefills with two threads under load."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 # --- one run -----------------------------------------------------------------------------
 
 @dataclass
@@ -109,18 +94,17 @@ def sample(backend: Backend, sg: SuiteContext, spec: SpecConfig | None,
     cfg = OpenConfig(model=sg.model, spec=spec, max_running_requests=BATCH,
                      kv_pool_tokens=BATCH * (len(prompt) + 64),
                      max_prefill_tokens=max(2048, BATCH * len(prompt)))
-    start = time.perf_counter()
-    with single_thread():
-        handle = backend.open(cfg)
-        try:
-            driver = Driver(handle, backend.capabilities())
-            for i in range(SAMPLES):
-                driver.submit(f"d{i}", list(prompt), sampling_params(i))
-            outcomes = driver.run(64 + SAMPLES * (TOKENS + 2))
-            if inspect is not None:
-                inspect(handle)
-        finally:
-            handle.close()
+    start = time.perf_counter()  # one torch thread, as the whole suite (the ``sg`` fixture)
+    handle = backend.open(cfg)
+    try:
+        driver = Driver(handle, backend.capabilities())
+        for i in range(SAMPLES):
+            driver.submit(f"d{i}", list(prompt), sampling_params(i))
+        outcomes = driver.run(64 + SAMPLES * (TOKENS + 2))
+        if inspect is not None:
+            inspect(handle)
+    finally:
+        handle.close()
     outputs = [outcomes[f"d{i}"].output_ids for i in range(SAMPLES)]
     bad = [(i, o) for i, o in enumerate(outputs) if len(o) != TOKENS]
     assert not bad, f"{len(bad)} requests did not emit {TOKENS} tokens: {bad[:3]}"
@@ -159,8 +143,7 @@ def law(sg: SuiteContext) -> JointLaw:
         return sg.oracle.next_token_probs(ids, params)
 
     cases = sorted(sg.prompts, key=lambda c: (len(c.ids), c.id))[:CANDIDATE_PROMPTS]
-    with single_thread():
-        laws = [exact_law(probs_of, c.id, c.ids, TOKENS) for c in cases]
+    laws = [exact_law(probs_of, c.id, c.ids, TOKENS) for c in cases]
     return max(laws, key=lambda law: law.entropy_bits)
 
 

@@ -48,11 +48,10 @@ def test_all_finish_in_one_step_then_new_arrivals(sg: SuiteContext) -> None:
     verify); the engine must then take new arrivals (the next merge of spec state)."""
     first = {f"{c.id}-a": (list(c.ids), greedy(2)) for c in sg.prompts[:4]}
     second = {f"{c.id}-b": (list(c.ids), greedy(5)) for c in sg.prompts[2:6]}
+    third = first | {"again": (list(sg.prompts[0].ids), greedy(3))}  # finished rids reused
     with open_driver(sg) as driver:
-        outcomes = run_all(driver, first)
-        outcomes.update(run_all(driver, second))
-        outcomes.update(run_all(driver, first | {"again": (list(sg.prompts[0].ids), greedy(3))}))
-    assert_matches_oracle(sg, outcomes, {**first, **second})
+        for requests in (first, second, third):
+            assert_matches_oracle(sg, run_all(driver, requests), requests)
 
 
 def test_stop_token_at_every_offset(sg: SuiteContext) -> None:
@@ -113,8 +112,8 @@ def test_abort(sg: SuiteContext, phase: str) -> None:
         if phase == "prefilling":
             driver.step()
         elif phase == "decoding":
-            while not driver.streamed["victim"]:
-                driver.step()
+            driver.step_until(lambda: bool(driver.streamed["victim"]), 1000,
+                              lambda: "the victim streamed no token")
             driver.step()
         driver.abort("victim")
         outcomes = driver.run(10_000)

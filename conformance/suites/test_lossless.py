@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.adapter import SpecConfig
+from conformance.adapter import SamplingParams, SpecConfig
 from conformance.plugin import SuiteContext
 from conformance.suites.support import (
     assert_matches_oracle,
@@ -24,7 +24,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     parametrize_spec_configs(metafunc)
 
 
-def _batch(sg: SuiteContext, size: int) -> dict[str, tuple[list[int], object]]:
+def _batch(sg: SuiteContext, size: int) -> dict[str, tuple[list[int], SamplingParams]]:
     """``size`` requests cycling through the prompt set: mixed prompt lengths."""
     cases = [sg.prompts[i % len(sg.prompts)] for i in range(size)]
     return {f"{c.id}-{i}": (list(c.ids), greedy(sg.profile.max_new_tokens))

@@ -94,8 +94,8 @@ def test_filter_to_zero_rows_then_new_arrivals(sg: SuiteContext) -> None:
     with open_driver(sg, spec) as driver:
         for rid, (prompt, params) in doomed.items():
             driver.submit(rid, prompt, params)
-        while not all(driver.streamed[r] for r in doomed):
-            driver.step()
+        driver.step_until(lambda: all(driver.streamed[r] for r in doomed), 1000,
+                          lambda: "no token streamed for every doomed request")
         driver.step()
         for rid in doomed:
             driver.abort(rid)

@@ -68,6 +68,7 @@ def build_tree_reference(root: torch.Tensor, cand_tokens: torch.Tensor,
             next_token[r][p] = i
         for i, seen in enumerate(ancestors):
             mask[r, i, seen] = True
+
     def as_tensor(rows: list[list[int]]) -> torch.Tensor:  # [b, n] even when b == 0
         return torch.tensor(rows, dtype=torch.int64).reshape(b, n)
 

@@ -1,0 +1,47 @@
+"""``conformance.driver.Driver``: a backend that stalls fails a check instead of hanging it."""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance.adapter import Capabilities, Event, Request, SamplingParams, TokenEvent
+from conformance.driver import Driver
+from conformance.invariants import InvariantError
+
+
+class StallingHandle:
+    """Accepts requests and never produces an event."""
+
+    def submit(self, req: Request) -> None:
+        pass
+
+    def step(self) -> list[Event]:
+        return []
+
+
+class OneTokenPerStepHandle(StallingHandle):
+    def __init__(self) -> None:
+        self.rids: list[str] = []
+
+    def submit(self, req: Request) -> None:
+        self.rids.append(req.rid)
+
+    def step(self) -> list[Event]:
+        return [TokenEvent(rid, (7,)) for rid in self.rids]
+
+
+def test_step_until_gives_up_after_max_steps() -> None:
+    driver = Driver(StallingHandle(), Capabilities())  # type: ignore[arg-type]
+    driver.submit("r", [1, 2], SamplingParams(max_new_tokens=2))
+    with pytest.raises(InvariantError, match=r"no progress after 5 steps: r streamed nothing"):
+        driver.step_until(lambda: bool(driver.streamed["r"]), 5, lambda: "r streamed nothing")
+    assert driver.steps == 5
+    with pytest.raises(InvariantError, match=r"no progress after 3 steps: 1 requests still live"):
+        driver.run(3)
+
+
+def test_step_until_stops_as_soon_as_done() -> None:
+    driver = Driver(OneTokenPerStepHandle(), Capabilities())  # type: ignore[arg-type]
+    driver.submit("r", [1, 2], SamplingParams(max_new_tokens=4))
+    driver.step_until(lambda: len(driver.streamed["r"]) >= 2, 10, lambda: "never")
+    assert driver.steps == 2 and driver.streamed["r"] == [7, 7]
