@@ -3,12 +3,16 @@ prefill, retraction and abort; accept_lens account for every emitted token."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import torch
 
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
 from refengine.memory.view import idle_error
+from refengine.request import Req
+from refengine.spec.inputs import DraftInput, VerifyInput
 
 PROMPTS = ["def fib(n):", "import os\nimport sys\n", "class Foo:\n    def __init__(self):",
            "x = 1\n" * 10, "for i in range(10):\n    print(i)\n", "# comment\n"]
@@ -45,6 +49,32 @@ def test_lossless_and_accounted(spec_pair: tuple[Path, Path], plain_outputs: lis
     assert max(lens) <= steps + 1
     assert sum(lens) / len(lens) > 1.5, "the mimic head should get drafts accepted"
     assert idle_error(e.memory()) is None
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_chain_draft_equals_tree_draft_with_topk_1(spec_pair: tuple[Path, Path],
+                                                    page_size: int) -> None:
+    """The chain fast path is the tree path specialised to ``topk == 1``: on every decode step
+    of a mixed-length batch both give the same VerifyInput, field for field, and leave the pool
+    as they found it."""
+    e = engine(spec_pair, "chain-s3-n4", page_size=page_size)
+    worker = e.worker
+    assert worker is not None
+    chain_draft, batch_sizes = worker.draft_chain, []
+
+    def both(reqs: list[Req], din: DraftInput) -> VerifyInput:
+        free = e.kv.allocator.free_slots
+        chain = chain_draft(reqs, din)
+        tree = worker.draft_tree(reqs, din)
+        assert e.kv.allocator.free_slots == free
+        for f in fields(VerifyInput):
+            assert torch.equal(getattr(chain, f.name), getattr(tree, f.name)), f.name
+        batch_sizes.append(len(reqs))
+        return chain
+
+    worker.draft_chain = both  # type: ignore[method-assign]
+    e.generate(PROMPTS, GREEDY)
+    assert max(batch_sizes) == len(PROMPTS) and min(batch_sizes) >= 1
 
 
 def test_chunked_prefill_keeps_the_draft_chain(spec_pair: tuple[Path, Path]) -> None:

@@ -8,6 +8,9 @@ written.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from refengine.memory.allocator import TokenAllocator
@@ -77,6 +80,22 @@ class KVManager:
         self.rows.table[req.row, start:end] = slots
         req.kv_allocated_len = end
         return slots
+
+    @contextmanager
+    def scratch(self, reqs: list[Req], new_tokens: int) -> Iterator[None]:
+        """Reserve ``new_tokens`` positions past each request's allocation for the duration of
+        the block (EAGLE draft KV); on exit the pool, the row ends and ``kv_allocated_len`` are
+        as they were. The row table keeps the stale slot ids past the allocation, harmlessly:
+        nothing reads positions at or beyond ``kv_allocated_len``."""
+        allocated = [r.kv_allocated_len for r in reqs]
+        try:
+            with self.allocator.scratch():
+                for r in reqs:
+                    self.extend(r, new_tokens)
+                yield
+        finally:
+            for r, n in zip(reqs, allocated, strict=True):
+                r.kv_allocated_len = n
 
     def truncate(self, req: Req, keep_tokens: int) -> None:
         """Release reserved positions beyond ``keep_tokens`` (whole pages only)."""

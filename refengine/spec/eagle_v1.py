@@ -88,6 +88,42 @@ class EagleWorker:
     # --- draft ----------------------------------------------------------------------------------
 
     def draft(self, reqs: list[Req], din: DraftInput) -> VerifyInput:
+        return (self.draft_chain(reqs, din) if self.spec.topk == 1
+                else self.draft_tree(reqs, din))
+
+    def draft_chain(self, reqs: list[Req], din: DraftInput) -> VerifyInput:
+        """``topk == 1``: the beam is a single path, so the tree is the chain itself
+        (``N = S + 1``, every candidate kept) and each step's node sees the committed prefix and
+        the earlier steps' scratch entries, which is plain causal attention. Same result as
+        ``draft_tree`` with ``topk == 1`` (``tests/test_eagle_worker.py`` checks it) without the
+        beam, score and mask bookkeeping, which costs a decode step as much as a head forward.
+        """
+        b, steps = len(reqs), self.spec.num_steps
+        seq = [r.kv_committed_len for r in reqs]
+        start = torch.tensor(seq)
+        rows = torch.tensor([r.row for r in reqs])
+        table = self.kv.rows.table
+        tokens = [din.verified_id, din.topk_index[:, 0]]
+        features = din.hidden_states
+        with self.kv.scratch(reqs, steps - 1):
+            for i in range(1, steps):  # step i's node sits at position s + i - 1
+                positions = start + (i - 1)
+                meta = AttentionMetadata.build(table, rows, [1] * b, [s + i for s in seq])
+                fb = ForwardBatch(tokens[-1], positions, table[rows, positions], meta)
+                logits, features = self.draft_model(fb, features, self.kv.draft_kv)
+                tokens.append(_topk(logits, 1)[1][:, 0])
+        n = steps + 1
+        node = torch.arange(n)
+        return VerifyInput(
+            draft_tokens=torch.stack(tokens, dim=1),
+            tree_mask=(node[None, :] <= node[:, None]).expand(b, n, n),
+            positions=start[:, None] + node[None, :], parents=(node - 1).expand(b, n),
+            retrieve_index=torch.arange(b * n).view(b, n),
+            retrieve_next_token=torch.where(node < n - 1, node + 1, -1).expand(b, n),
+            retrieve_next_sibling=torch.full((b, n), -1, dtype=torch.int64))
+
+    def draft_tree(self, reqs: list[Req], din: DraftInput) -> VerifyInput:
+        """Beam search over ``S - 1`` head forwards, then the best ``N - 1`` candidates."""
         k, steps, n = self.spec.topk, self.spec.num_steps, self.spec.num_draft_tokens
         b = len(reqs)
         seq = torch.tensor([r.kv_committed_len for r in reqs])
@@ -100,45 +136,38 @@ class EagleWorker:
         beam_flat = torch.arange(k).expand(b, k)
         scratch = k * (steps - 1)
         ancestors = torch.zeros((b, k, max(scratch, 1)), dtype=torch.bool)
-        if scratch:
-            state = self.kv.allocator.backup_state()
-            allocated = [r.kv_allocated_len for r in reqs]
-            for r in reqs:
-                self.kv.extend(r, scratch)
         offset = k
         own_entry = torch.eye(k, dtype=torch.bool)   # beam node m sees its own scratch entry
-        for i in range(1, steps):
-            own = torch.arange((i - 1) * k, i * k)
-            node_mask = ancestors.clone()
-            node_mask[:, :, (i - 1) * k:i * k] |= own_entry
-            width = i * k
-            meta = AttentionMetadata.build(self.kv.rows.table, rows, [k] * b,
-                                           (seq + width).tolist(),
-                                           [node_mask[r, :, :width] for r in range(b)])
-            slots = self.kv.rows.table[rows[:, None], seq[:, None] + own[None, :]]
-            positions = (seq[:, None] + (i - 1)).expand(b, k).reshape(-1)
-            fb = ForwardBatch(beam_tokens.reshape(-1), positions, slots.reshape(-1), meta)
-            logits, predicted = self.draft_model(fb, beam_feat.reshape(b * k, -1),
-                                                 self.kv.draft_kv)
-            child_p, child_tok = _topk(logits, k)                      # [b*k, k]
-            child_scores = (beam_scores[:, :, None] * child_p.view(b, k, k)).reshape(b, k * k)
-            scores.append(child_scores)
-            cand_tokens.append(child_tok.view(b, k * k))
-            cand_parents.append(beam_flat[:, :, None].expand(b, k, k).reshape(b, k * k))
-            pick = torch.sort(-child_scores, dim=-1, stable=True).indices[:, :k]  # next beam
-            parent_slot = pick // k
-            beam_tokens = torch.gather(child_tok.view(b, k * k), 1, pick)
-            beam_scores = torch.gather(child_scores, 1, pick)
-            beam_feat = torch.gather(predicted.view(b, k, -1), 1,
-                                     parent_slot[:, :, None].expand(-1, -1, predicted.shape[-1]))
-            beam_flat = offset + pick
-            ancestors = torch.gather(node_mask, 1,
-                                     parent_slot[:, :, None].expand(-1, -1, node_mask.shape[-1]))
-            offset += k * k
-        if scratch:
-            self.kv.allocator.restore_state(state)
-            for r, a in zip(reqs, allocated, strict=True):
-                r.kv_allocated_len = a
+        with self.kv.scratch(reqs, scratch):
+            for i in range(1, steps):
+                own = torch.arange((i - 1) * k, i * k)
+                node_mask = ancestors.clone()
+                node_mask[:, :, (i - 1) * k:i * k] |= own_entry
+                width = i * k
+                meta = AttentionMetadata.build(self.kv.rows.table, rows, [k] * b,
+                                               (seq + width).tolist(),
+                                               [node_mask[r, :, :width] for r in range(b)])
+                slots = self.kv.rows.table[rows[:, None], seq[:, None] + own[None, :]]
+                positions = (seq[:, None] + (i - 1)).expand(b, k).reshape(-1)
+                fb = ForwardBatch(beam_tokens.reshape(-1), positions, slots.reshape(-1), meta)
+                logits, predicted = self.draft_model(fb, beam_feat.reshape(b * k, -1),
+                                                     self.kv.draft_kv)
+                child_p, child_tok = _topk(logits, k)                      # [b*k, k]
+                child_scores = (beam_scores[:, :, None] * child_p.view(b, k, k)).reshape(b,
+                                                                                         k * k)
+                scores.append(child_scores)
+                cand_tokens.append(child_tok.view(b, k * k))
+                cand_parents.append(beam_flat[:, :, None].expand(b, k, k).reshape(b, k * k))
+                pick = torch.sort(-child_scores, dim=-1, stable=True).indices[:, :k]
+                parent_slot = pick // k
+                beam_tokens = torch.gather(child_tok.view(b, k * k), 1, pick)
+                beam_scores = torch.gather(child_scores, 1, pick)
+                beam_feat = torch.gather(predicted.view(b, k, -1), 1, parent_slot[:, :, None]
+                                         .expand(-1, -1, predicted.shape[-1]))
+                beam_flat = offset + pick
+                ancestors = torch.gather(node_mask, 1, parent_slot[:, :, None]
+                                         .expand(-1, -1, node_mask.shape[-1]))
+                offset += k * k
         all_scores = torch.cat(scores, dim=1)
         selected = select_candidates(all_scores, n)
         tree = build_tree_reference(din.verified_id, torch.cat(cand_tokens, dim=1),
@@ -155,8 +184,9 @@ class EagleWorker:
         rows = torch.tensor([r.row for r in reqs])
         seq = [r.kv_committed_len for r in reqs]
         slots = torch.stack([self.kv.extend(r, n) for r in reqs])
-        meta = AttentionMetadata.build(self.kv.rows.table, rows, [n] * b,
-                                       [s + n for s in seq], list(vin.tree_mask))
+        # A chain's tree mask is causal, the metadata's default.
+        meta = AttentionMetadata.build(self.kv.rows.table, rows, [n] * b, [s + n for s in seq],
+                                       None if self.spec.topk == 1 else list(vin.tree_mask))
         fb = ForwardBatch(vin.draft_tokens.reshape(-1), vin.positions.reshape(-1),
                           slots.reshape(-1), meta)
         out = self.target(fb, self.kv.kv)
