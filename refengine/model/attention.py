@@ -44,17 +44,17 @@ class AttentionMetadata:
         stays visible.
         """
         max_q, max_kv = max(extend_lens), max(seq_lens)
-        kv_lens = torch.tensor(seq_lens)
-        i = torch.arange(max_q)
         j = torch.arange(max_kv)
         padded = any(n != max_q for n in extend_lens)
-        q_lens = torch.tensor(extend_lens) if padded else max_q
-        q_pos = (kv_lens - q_lens)[:, None] + i[None, :]                # [B, max_q]
+        # Built in Python: a few small tensor ops cost more than the list (this runs up to four
+        # times per speculative step).
+        q_pos = torch.tensor([range(s - n, s - n + max_q)                 # [B, max_q]
+                              for s, n in zip(seq_lens, extend_lens, strict=True)])
         # Causal over absolute positions. A real query's position is below its request's
         # length, so it never sees past that; padded rows need the explicit bound.
         mask = j[None, None, :] <= q_pos[:, :, None]
         if padded:
-            mask &= j[None, None, :] < kv_lens[:, None, None]
+            mask &= j[None, None, :] < torch.tensor(seq_lens)[:, None, None]
         if custom_masks is not None:
             for b, custom in enumerate(custom_masks):
                 if custom is not None:
@@ -63,6 +63,7 @@ class AttentionMetadata:
         kv_slots = req_to_token[rows, :max_kv]
         if not padded:
             return cls(kv_slots, mask[:, None])
+        i, q_lens = torch.arange(max_q), torch.tensor(extend_lens)
         valid_q = i[None, :] < q_lens[:, None]
         starts = torch.cumsum(q_lens, 0) - q_lens
         query_index = torch.where(valid_q, starts[:, None] + i[None, :], int(q_lens.sum()))

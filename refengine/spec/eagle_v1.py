@@ -21,6 +21,7 @@ token, ``verified_id``) at position ``s``; its KV is written by this step's veri
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,32 @@ class VerifyOutcome:
     verify_input: VerifyInput
 
 
+@dataclass(frozen=True)
+class ChainTree:
+    """The verify tree of a chain (``topk == 1``) of ``n`` nodes, for one request. It never
+    changes, so it is built once and expanded over each batch (views: consumers read a
+    VerifyInput, they never write it)."""
+
+    depth: torch.Tensor          # [n] node i sits at depth i
+    mask: torch.Tensor           # [n, n] causal: node i sees nodes 0..i
+    parents: torch.Tensor        # [n] i - 1
+    next_token: torch.Tensor     # [n] i + 1, -1 for the last node
+    next_sibling: torch.Tensor   # [n] all -1
+
+    @classmethod
+    def of(cls, n: int) -> ChainTree:
+        node = torch.arange(n)
+        return cls(node, node[None, :] <= node[:, None], node - 1,
+                   torch.where(node < n - 1, node + 1, -1), torch.full((n,), -1))
+
+    def verify_input(self, tokens: torch.Tensor, start: torch.Tensor) -> VerifyInput:
+        """``tokens [b, n]`` (root first); ``start [b]``: each root's position."""
+        b, n = tokens.shape
+        return VerifyInput(tokens, self.mask.expand(b, n, n), start[:, None] + self.depth,
+                           self.parents.expand(b, n), torch.arange(b * n).view(b, n),
+                           self.next_token.expand(b, n), self.next_sibling.expand(b, n))
+
+
 def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     probs = torch.softmax(logits.float(), dim=-1)
     top = torch.topk(probs, k, dim=-1)
@@ -64,6 +91,7 @@ class EagleWorker:
         self.target = target
         self.draft_model = draft
         self.kv = kv
+        self._chain = ChainTree.of(spec.num_steps + 1)
 
     @property
     def hidden_size(self) -> int:
@@ -112,15 +140,7 @@ class EagleWorker:
                 fb = ForwardBatch(tokens[-1], positions, table[rows, positions], meta)
                 logits, features = self.draft_model(fb, features, self.kv.draft_kv)
                 tokens.append(_topk(logits, 1)[1][:, 0])
-        n = steps + 1
-        node = torch.arange(n)
-        return VerifyInput(
-            draft_tokens=torch.stack(tokens, dim=1),
-            tree_mask=(node[None, :] <= node[:, None]).expand(b, n, n),
-            positions=start[:, None] + node[None, :], parents=(node - 1).expand(b, n),
-            retrieve_index=torch.arange(b * n).view(b, n),
-            retrieve_next_token=torch.where(node < n - 1, node + 1, -1).expand(b, n),
-            retrieve_next_sibling=torch.full((b, n), -1, dtype=torch.int64))
+        return self._chain.verify_input(torch.stack(tokens, dim=1), start)
 
     def draft_tree(self, reqs: list[Req], din: DraftInput) -> VerifyInput:
         """Beam search over ``S - 1`` head forwards, then the best ``N - 1`` candidates."""
@@ -194,17 +214,18 @@ class EagleWorker:
         greedy = verify_tree_greedy_reference(vin.draft_tokens, vin.retrieve_next_token,
                                               vin.retrieve_next_sibling,
                                               torch.argmax(logits, dim=-1), self.spec.num_steps)
+        # Python lists once for the whole batch: per-element tensor reads cost an op each.
+        accept_len, accept_index = greedy.accept_len.tolist(), greedy.accept_index.tolist()
+        bonus, draft_tokens = greedy.bonus.tolist(), vin.draft_tokens.tolist()
         nodes, emitted = [], []
         for i, req in enumerate(reqs):
             if req.params.greedy:
-                a = int(greedy.accept_len[i])
-                path = greedy.accept_index[i, : a + 1].tolist()
-                bonus = int(greedy.bonus[i])
+                path, last = accept_index[i][: accept_len[i] + 1], bonus[i]
             else:
                 sampled = self.sample_path(req, vin, i, sampling_probs(logits[i], req.params))
-                path, bonus = sampled.nodes, sampled.bonus
+                path, last = sampled.nodes, sampled.bonus
             nodes.append(path)
-            emitted.append([int(vin.draft_tokens[i, j]) for j in path[1:]] + [bonus])
+            emitted.append([draft_tokens[i][j] for j in path[1:]] + [last])
         return VerifyOutcome(nodes, emitted, out.features.view(b, n, -1), vin)
 
     def sample_path(self, req: Req, vin: VerifyInput, row: int, probs: torch.Tensor
@@ -218,9 +239,9 @@ class EagleWorker:
     def commit(self, req: Req, nodes: list[int]) -> None:
         """Keep the accepted run's KV at positions s .. s+a and free the rest of the block."""
         s = req.kv_committed_len
-        src = self.kv.rows.table[req.row, [s + j for j in nodes]]
-        dst = self.kv.rows.table[req.row, s: s + len(nodes)]
-        if not torch.equal(src, dst):  # a tree path is not a prefix of the block: move its KV
+        if nodes != list(range(len(nodes))):  # not a prefix of the block: move the path's KV
+            src = self.kv.rows.table[req.row, [s + j for j in nodes]]
+            dst = self.kv.rows.table[req.row, s: s + len(nodes)]
             self.kv.kv.k[:, dst] = self.kv.kv.k[:, src]
             self.kv.kv.v[:, dst] = self.kv.kv.v[:, src]
         req.kv_committed_len = s + len(nodes)
@@ -230,9 +251,10 @@ class EagleWorker:
         """Rows of the requests ``keep`` (unfinished after verify), in that order."""
         if not keep:
             return DraftExtendInput.idle(self.hidden_size, outcome.features.dtype)
-        feats = [outcome.features[i, outcome.nodes[i]] for i in keep]
-        ids = [torch.tensor(outcome.emitted[i]) for i in keep]
-        return DraftExtendInput(torch.cat(feats), torch.cat(ids),
+        n = outcome.features.shape[1]
+        flat = torch.tensor([i * n + j for i in keep for j in outcome.nodes[i]])
+        return DraftExtendInput(outcome.features.flatten(0, 1)[flat],
+                                torch.tensor([t for i in keep for t in outcome.emitted[i]]),
                                 torch.tensor([len(outcome.nodes[i]) for i in keep]))
 
     # --- draft-extend -----------------------------------------------------------------------
@@ -240,13 +262,14 @@ class EagleWorker:
     def draft_extend(self, reqs: list[Req], ext: DraftExtendInput) -> DraftInput:
         """The head over each request's accepted positions (already committed)."""
         lens = ext.accept_lens.tolist()
-        rows = torch.tensor([r.row for r in reqs])
         ends = [r.kv_committed_len for r in reqs]
-        positions = torch.cat([torch.arange(e - n, e) for e, n in zip(ends, lens, strict=True)])
-        slots = torch.cat([self.kv.rows.table[r.row, e - n: e]
-                           for r, e, n in zip(reqs, ends, lens, strict=True)])
-        last = torch.cumsum(ext.accept_lens, 0) - 1
-        meta = AttentionMetadata.build(self.kv.rows.table, rows, lens, ends)
+        rows = [r.row for r in reqs]
+        positions = torch.tensor([p for e, n in zip(ends, lens, strict=True)
+                                  for p in range(e - n, e)])
+        slots = self.kv.rows.table[torch.tensor([r for r, n in zip(rows, lens, strict=True)
+                                                 for _ in range(n)]), positions]
+        last = torch.tensor([end - 1 for end in itertools.accumulate(lens)])
+        meta = AttentionMetadata.build(self.kv.rows.table, torch.tensor(rows), lens, ends)
         fb = ForwardBatch(ext.input_ids, positions, slots, meta, last)
         logits, predicted = self.draft_model(fb, ext.hidden_states, self.kv.draft_kv)
         topk_p, topk_index = _topk(logits, self.spec.topk)
