@@ -7,9 +7,9 @@ Invariants (checked, not assumed):
   that is already free (a double free) raises instead of corrupting the free list;
 - ``scratch()`` brackets scratch allocations (EAGLE draft KV): everything allocated inside
   returns to the free list on exit, in the original order. It undoes only what happened inside
-  (O(pages allocated)), where a ``backup_state`` / ``restore_state`` snapshot copies the whole
-  free list (O(pool)): drafting brackets every decode step, and at a 16K-page pool the snapshot
-  alone cost ~0.12 ms a step.
+  (O(pages allocated)); restoring a snapshot of the whole free list (``backup_state``) costs
+  O(pool), and drafting brackets every decode step: at a 16K-page pool the snapshot and its
+  restore alone cost ~0.12 ms a step.
 """
 
 from __future__ import annotations

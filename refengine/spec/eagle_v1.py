@@ -6,9 +6,10 @@ token, ``verified_id``) at position ``s``; its KV is written by this step's veri
 * draft: ``S - 1`` forwards of the draft head over a beam of ``k`` nodes per request. Step-i
   nodes sit at position ``s + i - 1`` and write scratch KV at row positions
   ``s + (i-1)k .. s + ik - 1``; each attends to the committed prefix and to its own ancestors'
-  scratch entries. The scratch pages come from the allocator under backup/restore, so drafting
+  scratch entries. The scratch pages come from the allocator's scratch bracket, so drafting
   leaves the pool exactly as it found it. The best ``N - 1`` of all candidates by path score
-  form the tree (``kernels.tree_reference``).
+  form the tree (``kernels.tree_reference``). A chain (``k = 1``) is the tree itself, with
+  causal attention: ``draft_chain`` skips the beam and score work.
 * verify: ``N`` slots per request at positions ``s .. s+N-1`` (root + drafts, positions
   ``s + depth``), one tree-masked target forward, then a greedy walk or tree speculative
   sampling per request.
@@ -123,8 +124,8 @@ class EagleWorker:
         """``topk == 1``: the beam is a single path, so the tree is the chain itself
         (``N = S + 1``, every candidate kept) and each step's node sees the committed prefix and
         the earlier steps' scratch entries, which is plain causal attention. Same result as
-        ``draft_tree`` with ``topk == 1`` (``tests/test_eagle_worker.py`` checks it) without the
-        beam, score and mask bookkeeping, which costs a decode step as much as a head forward.
+        ``draft_tree`` with ``topk == 1`` (``tests/test_spec_engine.py`` checks it), without
+        the beam, score and mask bookkeeping, which costs a decode step as much as a head forward.
         """
         b, steps = len(reqs), self.spec.num_steps
         seq = [r.kv_committed_len for r in reqs]
@@ -173,8 +174,8 @@ class EagleWorker:
                 logits, predicted = self.draft_model(fb, beam_feat.reshape(b * k, -1),
                                                      self.kv.draft_kv)
                 child_p, child_tok = _topk(logits, k)                      # [b*k, k]
-                child_scores = (beam_scores[:, :, None] * child_p.view(b, k, k)).reshape(b,
-                                                                                         k * k)
+                child_scores = beam_scores[:, :, None] * child_p.view(b, k, k)
+                child_scores = child_scores.reshape(b, k * k)
                 scores.append(child_scores)
                 cand_tokens.append(child_tok.view(b, k * k))
                 cand_parents.append(beam_flat[:, :, None].expand(b, k, k).reshape(b, k * k))
