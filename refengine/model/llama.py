@@ -55,13 +55,14 @@ class Rotary:
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
                                    / head_dim)
         freqs = torch.arange(max_positions).float()[:, None] @ inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]           # [positions, 1, head_dim]
         self.cos, self.sin = emb.cos(), emb.sin()
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAt:
-        """The tables at one forward's positions, gathered once for all its layers."""
-        return RopeAt(self.cos[positions][:, None, :].to(dtype),
-                      self.sin[positions][:, None, :].to(dtype))
+        """The tables at one forward's positions, gathered once for all its layers (a row
+        gather: every forward of a speculative step pays it, up to four per step)."""
+        return RopeAt(self.cos.index_select(0, positions).to(dtype),
+                      self.sin.index_select(0, positions).to(dtype))
 
 
 @dataclass
