@@ -83,6 +83,34 @@ class GreedyVerifyResult:
     bonus: torch.Tensor         # [b] the target's token after the last accepted node
 
 
+def greedy_walk(tokens: list[list[int]], next_token: list[list[int]],
+                next_sibling: list[list[int]], target_predict: list[list[int]],
+                max_depth: int) -> tuple[list[list[int]], list[int], list[int]]:
+    """The greedy tree walk on Python lists (the engine's path: its caller already holds the
+    tree as lists, and small tensors cost an op each way). Returns ``(accept_index,
+    accept_len, bonus)`` as ``GreedyVerifyResult`` describes them."""
+    b = len(tokens)
+    accept_index = [[-1] * (max_depth + 1) for _ in range(b)]
+    accept_len = [0] * b
+    bonus = [0] * b
+    for r in range(b):
+        tok, first, sibling, want = tokens[r], next_token[r], next_sibling[r], target_predict[r]
+        last, n = 0, 0
+        accept_index[r][0] = 0
+        for _ in range(max_depth):
+            child = first[last]
+            while child != -1 and tok[child] != want[last]:
+                child = sibling[child]
+            if child == -1:
+                break
+            n += 1
+            accept_index[r][n] = child
+            last = child
+        accept_len[r] = n
+        bonus[r] = want[last]
+    return accept_index, accept_len, bonus
+
+
 def verify_tree_greedy_reference(tokens: torch.Tensor, next_token: torch.Tensor,
                                  next_sibling: torch.Tensor, target_predict: torch.Tensor,
                                  max_depth: int) -> GreedyVerifyResult:
@@ -92,25 +120,8 @@ def verify_tree_greedy_reference(tokens: torch.Tensor, next_token: torch.Tensor,
     ``target_predict[r, i]`` is the target's argmax token after node i.
     """
     b = tokens.shape[0]
-    tok, first, sibling, want = (t.tolist() for t in (tokens, next_token, next_sibling,
-                                                       target_predict))
-    accept_index = [[-1] * (max_depth + 1) for _ in range(b)]
-    accept_len = [0] * b
-    bonus = [0] * b
-    for r in range(b):
-        last, n = 0, 0
-        accept_index[r][0] = 0
-        for _ in range(max_depth):
-            child = first[r][last]
-            while child != -1 and tok[r][child] != want[r][last]:
-                child = sibling[r][child]
-            if child == -1:
-                break
-            n += 1
-            accept_index[r][n] = child
-            last = child
-        accept_len[r] = n
-        bonus[r] = want[r][last]
+    accept_index, accept_len, bonus = greedy_walk(
+        *(t.tolist() for t in (tokens, next_token, next_sibling, target_predict)), max_depth)
     return GreedyVerifyResult(
         torch.tensor(accept_index, dtype=torch.int64).reshape(b, max_depth + 1),
         torch.tensor(accept_len, dtype=torch.int64), torch.tensor(bonus, dtype=torch.int64))

@@ -82,17 +82,18 @@ class KVManager:
         return slots
 
     @contextmanager
-    def scratch(self, reqs: list[Req], new_tokens: int) -> Iterator[None]:
+    def scratch(self, reqs: list[Req], new_tokens: int) -> Iterator[torch.Tensor]:
         """Reserve ``new_tokens`` positions past each request's allocation for the duration of
-        the block (EAGLE draft KV); on exit the pool, the row ends and ``kv_allocated_len`` are
-        as they were. The row table keeps the stale slot ids past the allocation, harmlessly:
-        nothing reads positions at or beyond ``kv_allocated_len``."""
+        the block (EAGLE draft KV) and yield their slots, ``[len(reqs), new_tokens]``; on exit
+        the pool, the row ends and ``kv_allocated_len`` are as they were. The row table keeps
+        the stale slot ids past the allocation, harmlessly: nothing reads positions at or
+        beyond ``kv_allocated_len``."""
         allocated = [r.kv_allocated_len for r in reqs]
         try:
             with self.allocator.scratch():
-                for r in reqs:
-                    self.extend(r, new_tokens)
-                yield
+                slots = [self.extend(r, new_tokens) for r in reqs]
+                yield (torch.stack(slots) if slots
+                       else torch.empty((0, new_tokens), dtype=torch.int64))
         finally:
             for r, n in zip(reqs, allocated, strict=True):
                 r.kv_allocated_len = n

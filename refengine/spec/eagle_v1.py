@@ -30,8 +30,8 @@ import torch
 from refengine.config import SpecConfig
 from refengine.kernels.tree_reference import (
     build_tree_reference,
+    greedy_walk,
     select_candidates,
-    verify_tree_greedy_reference,
 )
 from refengine.memory.manager import KVManager
 from refengine.model.attention import AttentionMetadata
@@ -53,30 +53,33 @@ class VerifyOutcome:
     verify_input: VerifyInput
 
 
-@dataclass(frozen=True)
 class ChainTree:
-    """The verify tree of a chain (``topk == 1``) of ``n`` nodes, for one request. It never
-    changes, so it is built once and expanded over each batch (views: consumers read a
+    """The verify tree of a chain (``topk == 1``) of ``n`` nodes: node i sits at depth i, sees
+    nodes 0..i (causal), has parent i - 1 and first child i + 1. It never changes, so its
+    tensors are built once per batch size and handed out as views (consumers read a
     VerifyInput, they never write it)."""
 
-    depth: torch.Tensor          # [n] node i sits at depth i
-    mask: torch.Tensor           # [n, n] causal: node i sees nodes 0..i
-    parents: torch.Tensor        # [n] i - 1
-    next_token: torch.Tensor     # [n] i + 1, -1 for the last node
-    next_sibling: torch.Tensor   # [n] all -1
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.depth = torch.arange(n)
+        self._by_batch: dict[int, dict[str, torch.Tensor]] = {}
 
-    @classmethod
-    def of(cls, n: int) -> ChainTree:
-        node = torch.arange(n)
-        return cls(node, node[None, :] <= node[:, None], node - 1,
-                   torch.where(node < n - 1, node + 1, -1), torch.full((n,), -1))
+    def _structure(self, b: int) -> dict[str, torch.Tensor]:
+        """The VerifyInput fields that depend only on the batch size."""
+        if b not in self._by_batch:
+            n, node = self.n, self.depth
+            self._by_batch[b] = {
+                "tree_mask": (node[None, :] <= node[:, None]).expand(b, n, n),
+                "parents": (node - 1).expand(b, n),
+                "retrieve_index": torch.arange(b * n).view(b, n),
+                "retrieve_next_token": torch.where(node < n - 1, node + 1, -1).expand(b, n),
+                "retrieve_next_sibling": torch.full((b, n), -1)}
+        return self._by_batch[b]
 
     def verify_input(self, tokens: torch.Tensor, start: torch.Tensor) -> VerifyInput:
         """``tokens [b, n]`` (root first); ``start [b]``: each root's position."""
-        b, n = tokens.shape
-        return VerifyInput(tokens, self.mask.expand(b, n, n), start[:, None] + self.depth,
-                           self.parents.expand(b, n), torch.arange(b * n).view(b, n),
-                           self.next_token.expand(b, n), self.next_sibling.expand(b, n))
+        return VerifyInput(draft_tokens=tokens, positions=start[:, None] + self.depth,
+                           **self._structure(tokens.shape[0]))
 
 
 def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +95,7 @@ class EagleWorker:
         self.target = target
         self.draft_model = draft
         self.kv = kv
-        self._chain = ChainTree.of(spec.num_steps + 1)
+        self._chain = ChainTree(spec.num_steps + 1)
 
     @property
     def hidden_size(self) -> int:
@@ -117,6 +120,11 @@ class EagleWorker:
     # --- draft ----------------------------------------------------------------------------------
 
     def draft(self, reqs: list[Req], din: DraftInput) -> VerifyInput:
+        # Draft KV goes to the scratch slots just past each allocation, which must be the
+        # committed end (the root's position): commit and prefill leave nothing past it.
+        stray = [r.rid for r in reqs if r.kv_allocated_len != r.kv_committed_len]
+        if stray:
+            raise RuntimeError(f"requests {stray} hold KV past their committed end at draft")
         return (self.draft_chain(reqs, din) if self.spec.topk == 1
                 else self.draft_tree(reqs, din))
 
@@ -131,16 +139,16 @@ class EagleWorker:
         seq = [r.kv_committed_len for r in reqs]
         start = torch.tensor(seq)
         rows = torch.tensor([r.row for r in reqs])
-        table = self.kv.rows.table
         tokens = [din.verified_id, din.topk_index[:, 0]]
         features = din.hidden_states
-        with self.kv.scratch(reqs, steps - 1):
+        with self.kv.scratch(reqs, steps - 1) as slots:
             for i in range(1, steps):  # step i's node sits at position s + i - 1
-                positions = start + (i - 1)
-                meta = AttentionMetadata.build(table, rows, [1] * b, [s + i for s in seq])
-                fb = ForwardBatch(tokens[-1], positions, table[rows, positions], meta)
+                meta = AttentionMetadata.build(self.kv.rows.table, rows, [1] * b,
+                                               [s + i for s in seq])
+                fb = ForwardBatch(tokens[-1], start + (i - 1), slots[:, i - 1], meta)
                 logits, features = self.draft_model(fb, features, self.kv.draft_kv)
-                tokens.append(_topk(logits, 1)[1][:, 0])
+                # argmax of the logits: the top-1 of their softmax without computing it
+                tokens.append(torch.argmax(logits, dim=-1))
         return self._chain.verify_input(torch.stack(tokens, dim=1), start)
 
     def draft_tree(self, reqs: list[Req], din: DraftInput) -> VerifyInput:
@@ -159,18 +167,17 @@ class EagleWorker:
         ancestors = torch.zeros((b, k, max(scratch, 1)), dtype=torch.bool)
         offset = k
         own_entry = torch.eye(k, dtype=torch.bool)   # beam node m sees its own scratch entry
-        with self.kv.scratch(reqs, scratch):
+        with self.kv.scratch(reqs, scratch) as scratch_slots:
             for i in range(1, steps):
-                own = torch.arange((i - 1) * k, i * k)
                 node_mask = ancestors.clone()
                 node_mask[:, :, (i - 1) * k:i * k] |= own_entry
                 width = i * k
                 meta = AttentionMetadata.build(self.kv.rows.table, rows, [k] * b,
                                                (seq + width).tolist(),
                                                [node_mask[r, :, :width] for r in range(b)])
-                slots = self.kv.rows.table[rows[:, None], seq[:, None] + own[None, :]]
                 positions = (seq[:, None] + (i - 1)).expand(b, k).reshape(-1)
-                fb = ForwardBatch(beam_tokens.reshape(-1), positions, slots.reshape(-1), meta)
+                fb = ForwardBatch(beam_tokens.reshape(-1), positions,
+                                  scratch_slots[:, (i - 1) * k:i * k].reshape(-1), meta)
                 logits, predicted = self.draft_model(fb, beam_feat.reshape(b * k, -1),
                                                      self.kv.draft_kv)
                 child_p, child_tok = _topk(logits, k)                      # [b*k, k]
@@ -212,12 +219,11 @@ class EagleWorker:
                           slots.reshape(-1), meta)
         out = self.target(fb, self.kv.kv)
         logits = out.logits.view(b, n, -1)
-        greedy = verify_tree_greedy_reference(vin.draft_tokens, vin.retrieve_next_token,
-                                              vin.retrieve_next_sibling,
-                                              torch.argmax(logits, dim=-1), self.spec.num_steps)
         # Python lists once for the whole batch: per-element tensor reads cost an op each.
-        accept_len, accept_index = greedy.accept_len.tolist(), greedy.accept_index.tolist()
-        bonus, draft_tokens = greedy.bonus.tolist(), vin.draft_tokens.tolist()
+        draft_tokens = vin.draft_tokens.tolist()
+        accept_index, accept_len, bonus = greedy_walk(
+            draft_tokens, vin.retrieve_next_token.tolist(), vin.retrieve_next_sibling.tolist(),
+            torch.argmax(logits, dim=-1).tolist(), self.spec.num_steps)
         nodes, emitted = [], []
         for i, req in enumerate(reqs):
             if req.params.greedy:
