@@ -235,7 +235,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = run_bench(backends=backends, batch_sizes=parse_batch_sizes(args.batch_sizes),
                            max_new_tokens=args.max_new_tokens, spec=args.spec,
                            progress=_progress, model=args.model, draft_model=args.draft_model,
-                           min_requests=args.min_requests)
+                           min_requests=args.min_requests, repeats=args.repeats)
     except (ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
     print(format_table(result))
@@ -309,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default="tiny-code", help="fixture name or model directory")
     bench.add_argument("--min-requests", type=_positive_int, default=8,
                        help="requests per batch size at least: batch b runs ceil(n/b) groups")
+    bench.add_argument("--repeats", type=_positive_int, default=1,
+                       help="run every group this many times per lane and keep the fastest")
     bench.add_argument("--json", default=None, help="also write the figures here")
     bench.add_argument("--draft-model", default=None,
                        help="override the spec configurations' draft model")

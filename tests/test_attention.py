@@ -49,3 +49,28 @@ def test_matches_per_request_attention(shape: list[tuple[int, int]], uniform: bo
         want = naive(q[start:start + n], k_cache[slots], v_cache[slots], prefix)
         torch.testing.assert_close(out[start:start + n], want)
         start += n
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(1, 5)), min_size=1, max_size=4),
+       st.booleans(), st.data())
+def test_at_queries_is_the_full_attention_at_those_tokens(
+        shape: list[tuple[int, int]], uniform: bool, data: st.DataObject) -> None:
+    """Attention for a subset of the new tokens (possibly none, in any order) equals the full
+    batch's attention at those tokens."""
+    if uniform:
+        shape = [(prefix, shape[0][1]) for prefix, _ in shape]
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    k_cache = torch.randn(SLOTS, KV_HEADS, DIM, generator=gen)
+    v_cache = torch.randn(SLOTS, KV_HEADS, DIM, generator=gen)
+    table = torch.randperm(SLOTS, generator=gen)[: len(shape) * 32].view(len(shape), 32)
+    extend = [n for _, n in shape]
+    q = torch.randn(sum(extend), HEADS, DIM, generator=gen)
+    meta = AttentionMetadata.build(table, torch.arange(len(shape)), extend,
+                                   [p + n for p, n in shape])
+    keep = torch.tensor(data.draw(st.lists(st.integers(0, sum(extend) - 1), unique=True)),
+                        dtype=torch.int64)
+    full = paged_attention(q, k_cache, v_cache, meta, DIM ** -0.5)
+    part = paged_attention(q[keep], k_cache, v_cache, meta.at_queries(keep), DIM ** -0.5)
+    assert part.shape == (len(keep), HEADS, DIM)
+    torch.testing.assert_close(part, full[keep])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conformance import bench
 from conformance.bench import BenchResult, format_table, parse_batch_sizes, run_bench
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -67,6 +68,37 @@ def test_min_requests_runs_groups_of_each_batch_size(random_model_dir: Path) -> 
     assert "batch   1: refengine" in messages[-2] and "(9 tokens in" in messages[-2]
 
 
+def test_repeats_keep_each_groups_fastest_run(random_model_dir: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every lane runs every group ``repeats`` times; per group the fastest run counts, and
+    the pooled seconds are the sum of those minima."""
+    seconds = {"b1g0r0": 3.0, "b1g0r1": 1.0, "b1g0r2": 2.0,
+               "b1g1r0": 0.5, "b1g1r1": 4.0, "b1g1r2": 5.0}
+    tags: list[str] = []
+
+    def scripted(handle: object, prompts: list[tuple[int, ...]], max_new_tokens: int,
+                 tag: str) -> tuple[int, float, list[list[int]]]:
+        tags.append(tag)
+        return max_new_tokens * len(prompts), seconds.get(tag, 0.01), [[]]
+
+    monkeypatch.setattr(bench, "_run_batch", scripted)
+    result = run_bench(["refengine"], [1], 2, "none", lambda _: None,
+                       model=str(random_model_dir), min_requests=2, repeats=3)
+    timing = result.rows[0].results["refengine"]
+    assert tags[1:] == list(seconds)  # after the warm-up, each group three times in turn
+    assert timing.seconds == 1.0 + 0.5 and timing.total_tokens == 4
+    assert "repeats=3 (fastest kept)" in format_table(result).splitlines()[0]
+
+
+def test_repeats_that_disagree_are_refused(random_model_dir: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = iter([2, 2, 3])  # warm-up, then two repeats of one group emitting different counts
+    monkeypatch.setattr(bench, "_run_batch", lambda *_: (next(counts), 1.0, [[]]))
+    with pytest.raises(RuntimeError, match="repeats of one group emitted different"):
+        run_bench(["refengine"], [1], 2, "none", lambda _: None, model=str(random_model_dir),
+                  repeats=2)
+
+
 def test_rejects_bad_arguments(random_model_dir: Path) -> None:
     model = str(random_model_dir)
     with pytest.raises(ValueError, match=r"^--spec: 'warp' not supported by bench"):
@@ -79,6 +111,8 @@ def test_rejects_bad_arguments(random_model_dir: Path) -> None:
         run_bench(["hf", "hf"], [1], 4, "none", print, model=model)
     with pytest.raises(ValueError, match=r"^--min-requests"):
         run_bench(["refengine"], [1], 4, "none", print, model=model, min_requests=0)
+    with pytest.raises(ValueError, match=r"^--repeats"):
+        run_bench(["refengine"], [1], 4, "none", print, model=model, repeats=0)
 
 
 def test_parse_batch_sizes() -> None:

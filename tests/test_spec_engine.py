@@ -143,3 +143,16 @@ def test_generation_up_to_the_context_limit(spec_pair: tuple[Path, Path]) -> Non
     assert out.finish_reason == "length"
     assert len(prompt) + len(out.output_ids) == e.max_context_len
     assert idle_error(e.memory()) is None
+
+
+def test_draft_refuses_kv_held_past_the_committed_end(spec_pair: tuple[Path, Path]) -> None:
+    """Draft scratch KV goes just past each request's allocation, which must be the committed
+    end; a slot held past it would put the root's draft KV at the wrong positions."""
+    e = engine(spec_pair, "chain-s3-n4")
+    e.add_request("a", PROMPTS[0], GREEDY)
+    e.step()  # prefill: allocated == committed, a draft input is installed
+    (req,) = e._live.values()
+    assert e.worker is not None
+    e.kv.extend(req, 1)  # one stray slot past the committed end
+    with pytest.raises(RuntimeError, match=r"\['a'\] hold KV past their committed end"):
+        e.worker.draft([req], e.draft_state.aligned(["a"]))

@@ -72,13 +72,23 @@ class AttentionMetadata:
         unpad_index = (torch.arange(len(extend_lens))[:, None] * max_q + i[None, :])[valid_q]
         return cls(kv_slots, mask[:, None], query_index, unpad_index)
 
+    def at_queries(self, tokens: torch.Tensor) -> AttentionMetadata:
+        """The same keys and visibility for the flat new tokens ``tokens`` only, each its own
+        one-query row: for a forward whose other rows only write KV."""
+        batch, _, max_q, max_kv = self.mask.shape
+        padded = tokens if self.unpad_index is None else self.unpad_index[tokens]
+        mask = self.mask.view(batch * max_q, max_kv).index_select(0, padded)
+        kv_slots = self.kv_slots.index_select(0, torch.div(padded, max_q, rounding_mode="floor"))
+        return AttentionMetadata(kv_slots, mask[:, None, None, :])
+
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [tokens, heads, dim]; caches: [slots, kv_heads, dim] -> [tokens, heads, dim]."""
     _, heads, dim = q.shape
     if meta.query_index is None:
-        q_pad = q.view(meta.mask.shape[0], -1, heads, dim).transpose(1, 2)  # [B, H, max_q, D]
+        batch, _, max_q, _ = meta.mask.shape
+        q_pad = q.view(batch, max_q, heads, dim).transpose(1, 2)  # [B, H, max_q, D]
     else:
         q_pad = torch.cat([q, q.new_zeros(1, heads, dim)])[meta.query_index].transpose(1, 2)
     # index_select over flat slots: a plain row gather, several times cheaper than advanced

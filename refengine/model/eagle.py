@@ -41,12 +41,16 @@ class EagleDraftModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, features: torch.Tensor, kv: KVPool
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (logits [wanted tokens, vocab] float32, predicted features [tokens, H])."""
+        """-> (logits [wanted tokens, vocab] float32, predicted features [wanted tokens, H]).
+
+        Every row writes its draft KV; with one layer, only the wanted rows (``logits_index``)
+        need the rest of it: draft-extend and prefill want one row per request of several."""
         x = self.fc(torch.cat([self._embed(batch.input_ids), features.to(self.fc.weight.dtype)],
                               dim=-1))
-        x = self.layers[0](x, batch, kv, self._rotary.at(batch.positions, x.dtype))
+        x = self.layers[0](x, batch, kv, self._rotary.at(batch.positions, x.dtype),
+                           keep=batch.logits_index)
         predicted = self.norm(x)
-        return self._lm_head(batch.wanted(predicted)).float(), predicted
+        return self._lm_head(predicted).float(), predicted
 
     @classmethod
     def load(cls, path: Path, target: LlamaForCausalLM, dtype: torch.dtype,

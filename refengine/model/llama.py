@@ -88,16 +88,20 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool,
-                rope: RopeAt) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: RopeAt,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Every row writes its KV; the output has the ``keep`` rows only (all if None)."""
         n = x.shape[0]
         q = rope.apply(self.q_proj(x).view(n, self.heads, self.head_dim))
         k = rope.apply(self.k_proj(x).view(n, self.kv_heads, self.head_dim))
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
         kv.write(self.layer, batch.out_slots, k, v)
-        out = paged_attention(q, kv.k[self.layer], kv.v[self.layer], batch.attention,
+        meta = batch.attention
+        if keep is not None:
+            q, meta = q.index_select(0, keep), meta.at_queries(keep)
+        out = paged_attention(q, kv.k[self.layer], kv.v[self.layer], meta,
                               self.head_dim ** -0.5)
-        return self.o_proj(out.reshape(n, -1))
+        return self.o_proj(out.flatten(1))
 
 
 class MLP(nn.Module):
@@ -119,9 +123,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool,
-                rope: RopeAt) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv, rope)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: RopeAt,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Every row writes its KV; the output has the ``keep`` rows only (all if None): the
+        last layer of a stack needs no attention or MLP work for rows nobody reads."""
+        attended = self.self_attn(self.input_layernorm(x), batch, kv, rope, keep)
+        x = attended + (x if keep is None else x.index_select(0, keep))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -115,7 +115,7 @@ class EagleWorker:
         draft_fb = ForwardBatch(next_ids, fb.positions, fb.out_slots, fb.attention, last_rows)
         logits, predicted = self.draft_model(draft_fb, features, self.kv.draft_kv)
         topk_p, topk_index = _topk(logits, self.spec.topk)
-        return DraftInput(topk_p, topk_index, predicted[last_rows], roots)
+        return DraftInput(topk_p, topk_index, predicted, roots)
 
     # --- draft ----------------------------------------------------------------------------------
 
@@ -280,4 +280,4 @@ class EagleWorker:
         fb = ForwardBatch(ext.input_ids, positions, slots, meta, last)
         logits, predicted = self.draft_model(fb, ext.hidden_states, self.kv.draft_kv)
         topk_p, topk_index = _topk(logits, self.spec.topk)
-        return DraftInput(topk_p, topk_index, predicted[last], ext.input_ids[last])
+        return DraftInput(topk_p, topk_index, predicted, ext.input_ids[last])
