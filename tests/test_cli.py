@@ -39,6 +39,7 @@ def assert_usage_error(code: int, err: str, *needles: str) -> None:
     ([], ["required"]),
     (["bench", "--batch-sizes", "1,x"], ["--batch-sizes"]),
     (["bench", "--spec", "warp"], ["unknown spec"]),
+    (["bench", "--repeats", "0"], ["--repeats", "0"]),
     (["mutants", "--only", "nope"], ["unknown mutant", "nope"]),
 ])
 def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
