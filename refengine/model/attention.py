@@ -78,7 +78,7 @@ class AttentionMetadata:
         batch, _, max_q, max_kv = self.mask.shape
         padded = tokens if self.unpad_index is None else self.unpad_index[tokens]
         mask = self.mask.view(batch * max_q, max_kv).index_select(0, padded)
-        kv_slots = self.kv_slots.index_select(0, torch.div(padded, max_q, rounding_mode="floor"))
+        kv_slots = self.kv_slots.index_select(0, padded // max_q)
         return AttentionMetadata(kv_slots, mask[:, None, None, :])
 
 
