@@ -26,6 +26,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 
@@ -186,8 +187,17 @@ def _timing(runs: list[GroupRun], spec: SpecConfig | None) -> BackendTiming:
                          {k: round(v, 4) for k, v in phases.items()})
 
 
+class BenchProgress(Protocol):
+    """How the bench reports as it goes: each batch size is an item (``start``, ``done``);
+    ``note`` is any other line (a lane being opened)."""
+
+    def start(self, label: str) -> None: ...
+    def note(self, text: str) -> None: ...
+    def done(self, result: str) -> None: ...
+
+
 def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, spec: str,
-              progress: Callable[[str], None], model: str = "tiny-code",
+              progress: BenchProgress, model: str = "tiny-code",
               loader: Callable[[str], Backend] | None = None,
               draft_model: str | None = None, min_requests: int = 1,
               repeats: int = 1) -> BenchResult:
@@ -231,13 +241,14 @@ def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, 
         for lane in lanes:
             backend = loader(lane.backend)
             result.versions[lane.label] = f"{backend.name} {backend.version}"
-            progress(f"opening {lane.label} ({result.versions[lane.label]}) on {model}")
+            progress.note(f"opening {lane.label} ({result.versions[lane.label]}) on {model}")
             handles[lane.label] = backend.open(OpenConfig(
                 model=model, spec=lane.spec,
                 kv_pool_tokens=max(OpenConfig.kv_pool_tokens, pool),
                 max_running_requests=max(OpenConfig.max_running_requests, biggest)))
             _run_batch(handles[lane.label], prompts[:1], _WARMUP_TOKENS, "warmup")
         for b in batch_sizes:
+            progress.start(f"batch {b} ({groups[b]} group(s) x {repeats} repeat(s))")
             row = BenchRow(batch_size=b)
             runs: dict[str, list[GroupRun]] = {lane.label: [] for lane in lanes}
             for g in range(groups[b]):
@@ -256,10 +267,9 @@ def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, 
                     runs[lane.label].append(_fastest(tries[lane.label]))
             for lane in lanes:
                 row.results[lane.label] = _timing(runs[lane.label], lane.spec)
-                progress(f"batch {b:>3}: {lane.label} "
-                         f"{row.results[lane.label].tokens_per_s:,.1f} tok/s "
-                         f"({row.results[lane.label].total_tokens} tokens in "
-                         f"{row.results[lane.label].seconds:.3f} s)")
+            progress.done(", ".join(f"{label} {t.tokens_per_s:,.1f} tok/s ({t.total_tokens} "
+                                    f"tokens in {t.seconds:.3f} s)"
+                                    for label, t in row.results.items()))
             result.rows.append(row)
     finally:
         for handle in handles.values():

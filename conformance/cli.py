@@ -1,30 +1,41 @@
 """The ``specgate`` command.
 
 Exit codes: 0 every required check passed; 1 a check failed (or the run was vacuous); 2 a usage
-or configuration error, reported as one line on stderr without a traceback.
+or configuration error, reported as one line on stderr without a traceback, before any work
+starts; 130 interrupted (Ctrl-C), reported as one line.
+
+Results go to stdout; progress and messages to stderr (``conformance.progress``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import sys
 import tempfile
-from importlib.metadata import entry_points
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the CLI imports heavy modules lazily, inside each command
+    from rich.console import Console
+
     from conformance.adapter import SpecConfig
+    from conformance.report import Certificate
+    from conformance.specs import SpecChoice
+    from conformance.suite_run import SuiteRun
 
 USAGE_ERROR = 2
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
 
 
 class UsageError(Exception):
     """A bad argument or configuration: printed as one line, exit code 2."""
+
+
+class Interrupted(Exception):
+    """The user pressed Ctrl-C: printed as one line (what was kept), exit code 130."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,28 +43,29 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+def _version() -> str:
+    try:
+        return version("specgate")
+    except PackageNotFoundError:  # a checkout used without installing it
+        return "unknown (not installed)"
 
 
-# --- certify ----------------------------------------------------------------------------------
+def _stdout() -> Console:
+    from rich.console import Console
 
-def _suite_dir() -> Path:
-    import conformance.suites
-    return Path(conformance.suites.__file__).resolve().parent
-
-
-def _plugin_args() -> list[str]:
-    """Load the plugin explicitly only when no installed entry point does it already."""
-    installed = any(ep.name == "specgate" for ep in entry_points(group="pytest11"))
-    return [] if installed else ["-p", "conformance.plugin"]
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = 120  # a log or a pipe: wide enough that tables do not wrap
+    return console
 
 
-def _validate(spec: str, backends: list[str], model: str, draft_model: str | None = None) -> None:
+def _validate(spec: str, backends: list[str], model: str, draft_model: str | None = None
+              ) -> None:
+    """Everything a command needs, checked before any work: specs, backends, model files."""
     from conformance.registry import BackendError, load_backend
     from conformance.specs import resolve_specs
     from refengine.data import resolve_model_dir
-    from refengine.model.loader import check_model_dir
+    from refengine.model.loader import check_draft_dir, check_model_dir
 
     try:
         drafts = {draft_model} if draft_model else {
@@ -61,79 +73,150 @@ def _validate(spec: str, backends: list[str], model: str, draft_model: str | Non
         for name in backends:
             load_backend(name)
         check_model_dir(resolve_model_dir(model))
-        for draft in drafts:
-            resolve_model_dir(draft)
+        for draft in sorted(drafts):
+            check_draft_dir(resolve_model_dir(draft))
     except (BackendError, ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
 
 
-def cmd_certify(args: argparse.Namespace) -> int:
+# --- certify ----------------------------------------------------------------------------------
+
+def _pytest_problem(run: SuiteRun) -> str:
+    """The tail of pytest's own output, for a suite that pytest could not run."""
+    lines = [ln for ln in run.output.splitlines() if ln.strip()]
+    return "\n".join(lines[-25:]) or f"pytest exit code {run.exit_code}, no output"
+
+
+def _certify_one(args: argparse.Namespace, spec: SpecChoice, out_dir: Path,
+                 console: Console) -> tuple[Certificate | None, bool]:
+    """Run the suite for one spec into ``out_dir``; returns the certificate (None if pytest
+    could not run the suite) and whether the run was interrupted."""
     import pytest
 
-    from conformance.report import build_certificate, tier_table, write_reports
+    from conformance.progress import TierProgress
+    from conformance.report import build_certificate, indent_junit, write_reports
+    from conformance.suite_run import SuiteOptions, run_suite
+
+    console.print(f"specgate certify: backend {args.backend}, spec {spec.name}, profile "
+                  f"{args.profile}, {args.workers} worker(s)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    junit = out_dir / "junit.xml"
+    opts = SuiteOptions(args.backend, spec.name, args.profile, args.model, args.draft_model,
+                        args.workers)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = run_suite(opts, Path(tmp) / "results.json", junit, (TierProgress(console),))
+    if junit.exists():
+        indent_junit(junit)
+    if run.exit_code == pytest.ExitCode.USAGE_ERROR:
+        raise UsageError(_pytest_problem(run).splitlines()[-1])
+    if run.results is None or (not run.interrupted and run.exit_code in (
+            pytest.ExitCode.INTERRUPTED, pytest.ExitCode.INTERNAL_ERROR)):
+        if not run.interrupted:
+            console.print(f"specgate certify: pytest could not run the suite:\n"
+                          f"{_pytest_problem(run)}", markup=False)
+        return None, run.interrupted
+    cert = build_certificate(run.results)
+    write_reports(cert, out_dir)
+    return cert, run.interrupted
+
+
+def _print_certificate(cert: Certificate, where: Path) -> None:
+    from rich.table import Table
+
+    from conformance.report import headline
+
+    table = Table(title=f"specgate certificate for {cert.backend['name']} "
+                        f"{cert.backend['version']}, spec {cert.spec}: {headline(cert)}")
+    for column in ("tier", "passed", "failed", "not claimed", "skipped", "seconds", "status"):
+        table.add_column(column, justify="left" if column in ("tier", "status") else "right")
+    for t in cert.tiers:
+        style = {"failed": "bold red", "passed": "green"}.get(t.status, "yellow")
+        table.add_row(t.tier, *(str(t.counts[o]) for o in ("passed", "failed", "not claimed",
+                                                            "skipped")),
+                      f"{t.seconds:.1f}", f"[{style}]{t.status}[/]")
+    out = _stdout()
+    out.print(table)
+    for t in cert.tiers:
+        for why, n in t.not_run.items():
+            out.print(f"  {t.tier}: {n} check(s) {why}", markup=False)
+    out.print(f"reports: {where / 'report.md'}, {where / 'report.json'}, "
+              f"{where / 'junit.xml'}", markup=False)
+
+
+def _print_summary(certs: list[Certificate]) -> None:
+    from rich.table import Table
+
+    from conformance.report import headline
+
+    tiers = sorted({t.tier for c in certs for t in c.tiers})
+    table = Table(title="specgate certify: every spec")
+    for column in ("spec", "result", *tiers):
+        table.add_column(column)
+    for c in certs:
+        status = {t.tier: t.status for t in c.tiers}
+        table.add_row(c.spec, headline(c), *(status.get(t, "—") for t in tiers))
+    _stdout().print(table)
+
+
+def cmd_certify(args: argparse.Namespace) -> int:
+    from conformance.progress import stderr_console
+    from conformance.report import summary_markdown
+    from conformance.report_dir import ReportDir, ReportDirError
     from conformance.specs import resolve_specs
 
     _validate(args.spec, [args.backend], args.model, args.draft_model)
-    report_dir = Path(args.report)
-    report_dir.mkdir(parents=True, exist_ok=True)
-    worst = 0
-    for spec in resolve_specs(args.spec):
-        _progress(f"specgate certify: backend {args.backend}, spec {spec.name}, "
-                  f"profile {args.profile}, {args.workers} worker(s)")
-        out_dir = report_dir if args.spec != "all" else report_dir / spec.name
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            results = Path(tmp) / "results.json"
-            pytest_args = [
-                str(_suite_dir()), "-c", os.devnull, "--rootdir", str(_suite_dir()),
-                "-p", "no:cacheprovider", *_plugin_args(),
-                "--specgate-backend", args.backend, "--specgate-spec", spec.name,
-                "--specgate-profile", args.profile, "--specgate-model", args.model,
-                "--specgate-results", str(results), "--junitxml", str(out_dir / "junit.xml"),
-                *(["--specgate-draft-model", args.draft_model] if args.draft_model else []),
-                "-q", "-W", "ignore::DeprecationWarning",
-            ]
-            if args.workers > 1:
-                pytest_args += ["-n", str(args.workers)]
-            code = pytest.main(pytest_args)
-            if code in (pytest.ExitCode.USAGE_ERROR, pytest.ExitCode.INTERRUPTED):
-                raise UsageError(f"pytest stopped with exit code {int(code)}")
-            if not results.exists():
-                _progress("specgate certify: the suite produced no results")
-                return 1
-            cert = build_certificate(json.loads(results.read_text()))
-        write_reports(cert, out_dir)
-        print(f"\nspecgate certificate for {cert.backend['name']} {cert.backend['version']}, "
-              f"spec {cert.spec}: {cert.status.upper()}\n")
-        print(tier_table(cert))
-        print(f"\nreports: {out_dir / 'report.md'}, {out_dir / 'report.json'}, "
-              f"{out_dir / 'junit.xml'}")
-        worst = max(worst, 0 if cert.status == "passed" else 1)
-    return worst
+    specs = resolve_specs(args.spec)
+    try:
+        target = ReportDir(Path(args.report))
+    except ReportDirError as err:
+        raise UsageError(str(err)) from None
+    console = stderr_console()
+    certs: list[Certificate] = []
+    interrupted = ran_all = False
+    try:
+        for spec in specs:
+            out_dir = target.staging / spec.name if args.spec == "all" else target.staging
+            cert, interrupted = _certify_one(args, spec, out_dir, console)
+            if cert is not None:
+                certs.append(cert)
+                _print_certificate(cert, target.target / out_dir.relative_to(target.staging))
+            if interrupted or cert is None:
+                break
+        else:
+            ran_all = True
+        if args.spec == "all" and certs:
+            (target.staging / "summary.md").write_text(summary_markdown(certs))
+            _print_summary(certs)
+        target.commit()
+    except BaseException:
+        target.discard()  # the previous report stays, whole
+        raise
+    if interrupted:
+        checks = sum(c.total_checks for c in certs)
+        raise Interrupted(f"certify stopped; the certificate in {args.report} is marked "
+                          f"INCOMPLETE and covers the {checks} checks that finished")
+    return 0 if ran_all and all(c.status == "passed" for c in certs) else 1
 
 
 # --- mutants ----------------------------------------------------------------------------------
 
-def _run_suite_quietly(backend: str, spec: str, profile: str, model: str, results: Path,
-                       stop_at_first_failure: bool, draft_model: str | None = None) -> None:
-    import pytest
+STRICT_CHECK_ERRORS = ("MemoryCheckError", "DoubleFreeError")  # raised inside refengine itself
 
-    args = [str(_suite_dir()), "-c", os.devnull, "--rootdir", str(_suite_dir()),
-            "-p", "no:cacheprovider", *_plugin_args(), "--specgate-backend", backend,
-            "--specgate-spec", spec, "--specgate-profile", profile, "--specgate-model", model,
-            "--specgate-results", str(results), "-qq", "--tb=no", "--no-header",
-            "-W", "ignore::DeprecationWarning"]
-    if stop_at_first_failure:
-        args.append("-x")
-    if draft_model:
-        args += ["--specgate-draft-model", draft_model]
-    # The verdict comes from the results file; pytest's own report would bury the table.
-    with contextlib.redirect_stdout(io.StringIO()):
-        pytest.main(args)
+
+def _killer(check: dict[str, object]) -> str:
+    """Who killed a mutant: a suite check, or the engine's own strict check (which fires
+    inside whichever check happened to run first, so that check is only where it showed)."""
+    message = str(check["message"])
+    for error in STRICT_CHECK_ERRORS:
+        if error in message:
+            return f"refengine strict check ({error}), raised during {check['nodeid']}"
+    return str(check["nodeid"])
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
     from conformance.backends.mutants import MUTANTS
+    from conformance.progress import Steps
+    from conformance.suite_run import SuiteOptions, run_suite
 
     _validate(args.spec or "none", [], args.model, args.draft_model)
     names = list(MUTANTS) if not args.only else args.only.split(",")
@@ -141,35 +224,44 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     if unknown:
         raise UsageError(f"--only: unknown mutant(s) {unknown} (known: {', '.join(MUTANTS)})")
     rows = []
-    for i, name in enumerate(names, 1):
-        # A speculative mutant is only visible under speculation: by default it runs with the
-        # chain spec, a plain one with none; --spec forces one spec for all.
-        spec = args.spec or ("eagle" if MUTANTS[name].requires_spec else "none")
-        _progress(f"[{i}/{len(names)}] mutant {name} (spec {spec}): running the suite ...")
-        with tempfile.TemporaryDirectory() as tmp:
-            results = Path(tmp) / "results.json"
-            _run_suite_quietly(f"mutant:{name}", spec, args.profile, args.model, results,
-                               stop_at_first_failure=True, draft_model=args.draft_model)
-            checks = json.loads(results.read_text())["checks"] if results.exists() else []
-        killers = [c for c in checks if c["outcome"] == "failed"]
-        status = "killed" if killers else "survived" if checks else "error: the suite did not run"
-        row = {"mutant": name, "spec": spec, "bug_class": MUTANTS[name].bug_class,
-               "status": status,
-               "killed_by": killers[0]["nodeid"] if killers else None,
-               "message": killers[0]["message"] if killers else None}
-        rows.append(row)
-        _progress(f"    {row['status']}" + (f" by {row['killed_by']}" if killers else ""))
+    with Steps("mutants", len(names)) as steps:
+        for name in names:
+            # A speculative mutant is only visible under speculation: by default it runs with
+            # the chain spec, a plain one with none; --spec forces one spec for all.
+            spec = args.spec or ("eagle" if MUTANTS[name].requires_spec else "none")
+            steps.start(f"{name} (spec {spec})")
+            opts = SuiteOptions(f"mutant:{name}", spec, args.profile, args.model,
+                                args.draft_model, stop_at_first_failure=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                run = run_suite(opts, Path(tmp) / "results.json")
+            if run.interrupted:
+                raise Interrupted(f"mutants stopped during {name}; {len(rows)} of {len(names)} "
+                                  "had finished, no verdicts are reported")
+            checks = run.results["checks"] if run.results else []
+            killers = [c for c in checks if c["outcome"] == "failed"]
+            status = ("killed" if killers else "survived" if checks
+                      else "error: the suite did not run")
+            row = {"mutant": name, "spec": spec, "bug_class": MUTANTS[name].bug_class,
+                   "status": status, "killed_by": _killer(killers[0]) if killers else None,
+                   "message": killers[0]["message"] if killers else None}
+            rows.append(row)
+            steps.done(status + (f" by {row['killed_by']}" if killers else ""))
+            if not checks:
+                steps.note(_pytest_problem(run))
     survived = [r for r in rows if r["status"] != "killed"]
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print("| mutant | spec | bug class | status | killed by |\n|---|---|---|---|---|")
+        from rich.table import Table
+
+        table = Table(title=f"specgate mutants: {len(rows) - len(survived)} of {len(rows)} "
+                            "killed")
+        for column in ("mutant", "spec", "bug class", "status", "killed by"):
+            table.add_column(column)
         for r in rows:
-            print(f"| {r['mutant']} | {r['spec']} | {r['bug_class']} | {r['status']} | "
-                  f"{r['killed_by'] or '—'} |")
-        print(f"\n{len(rows) - len(survived)} of {len(rows)} mutants killed")
-    if any(r["status"].startswith("error") for r in rows):
-        _progress("specgate mutants: the suite failed to run for some mutants (see above)")
+            table.add_row(r["mutant"], r["spec"], r["bug_class"], r["status"],
+                          r["killed_by"] or "—")
+        _stdout().print(table)
     return 1 if survived else 0
 
 
@@ -190,58 +282,92 @@ def _golden_configs(spec: str) -> list[SpecConfig]:
 
 def cmd_golden(args: argparse.Namespace) -> int:
     from conformance import golden
+    from conformance.progress import Steps
+    from conformance.prompts import load_prompt_set
     from conformance.specs import config_id
 
     _validate("none", [], args.model)
     configs = _golden_configs(args.spec)
+    try:
+        load_prompt_set(args.prompt_set, args.model)
+    except FileNotFoundError as err:
+        raise UsageError(str(err)) from None
     failed = 0
-    for i, config in enumerate(configs, 1):
-        _progress(f"[{i}/{len(configs)}] {config_id(config)} on prompt set {args.prompt_set} ...")
-        try:
+    with Steps(f"golden {args.action}", len(configs)) as steps:
+        for config in configs:
+            steps.start(f"{config_id(config)} on prompt set {args.prompt_set}")
             trace = golden.record(config, args.prompt_set, args.model, args.max_new_tokens)
-        except FileNotFoundError as err:
-            raise UsageError(str(err)) from None
-        path = golden.golden_path(config, args.prompt_set)
-        s = trace.summary
-        line = (f"{config_id(config)}: mean tau {s['mean_tau']}, per-position acceptance "
-                f"{s['per_position_acceptance']}, {s['verify_steps']} verify steps")
-        if args.action == "record":
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(trace.to_json())
-            print(f"{line} -> {path}")
-            continue
-        if not path.exists():
-            print(f"{config_id(config)}: MISSING {path}")
-            failed += 1
-            continue
-        stored = golden.GoldenTrace.from_json(path.read_text())
-        diffs = [r.id for r, g in zip(trace.requests, stored.requests, strict=False) if r != g]
-        same = trace.to_json() == stored.to_json()
-        print(f"{line}: {'matches' if same else 'DIFFERS'} {path}"
-              + (f" (requests {diffs[:5]})" if diffs else ""))
-        failed += 0 if same else 1
+            path = golden.golden_path(config, args.prompt_set)
+            s = trace.summary
+            line = (f"{config_id(config)}: mean tau {s['mean_tau']}, per-position acceptance "
+                    f"{s['per_position_acceptance']}, {s['verify_steps']} verify steps")
+            if args.action == "record":
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(trace.to_json())
+                print(f"{line} -> {path}", flush=True)
+                steps.done(f"written, mean tau {s['mean_tau']}")
+                continue
+            if not path.exists():
+                print(f"{config_id(config)}: MISSING {path}", flush=True)
+                steps.done("MISSING")
+                failed += 1
+                continue
+            stored = golden.GoldenTrace.from_json(path.read_text())
+            diffs = [r.id for r, g in zip(trace.requests, stored.requests, strict=False)
+                     if r != g]
+            same = trace.to_json() == stored.to_json()
+            print(f"{line}: {'matches' if same else 'DIFFERS'} {path}"
+                  + (f" (requests {diffs[:5]})" if diffs else ""), flush=True)
+            steps.done("matches" if same else "DIFFERS")
+            failed += 0 if same else 1
     return 1 if failed else 0
 
 
 # --- bench ------------------------------------------------------------------------------------
 
+def _output_file(text: str) -> Path:
+    """A file the command will write at the end: checked (and its directory created) before
+    any work, so a long run never ends in an error that loses its figures."""
+    path = Path(text)
+    if path.is_dir():
+        raise UsageError(f"--json {text}: is a directory, expected a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}."):
+            pass
+    except OSError as err:
+        raise UsageError(f"--json {text}: cannot write there ({err.strerror or err})") from None
+    return path
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.",
+                                     delete=False) as tmp:
+        tmp.write(text)
+    os.replace(tmp.name, path)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from conformance.bench import format_table, parse_batch_sizes, run_bench
+    from conformance.progress import Steps
 
     backends = [b for b in (args.backends or ("refengine,hf" if args.spec == "none"
                                                else "refengine")).split(",") if b]
     _validate(args.spec, backends, args.model, args.draft_model)
+    json_path = _output_file(args.json) if args.json else None
     try:
-        result = run_bench(backends=backends, batch_sizes=parse_batch_sizes(args.batch_sizes),
-                           max_new_tokens=args.max_new_tokens, spec=args.spec,
-                           progress=_progress, model=args.model, draft_model=args.draft_model,
-                           min_requests=args.min_requests, repeats=args.repeats)
+        batch_sizes = parse_batch_sizes(args.batch_sizes)
+        with Steps("bench", len(batch_sizes)) as steps:
+            result = run_bench(backends=backends, batch_sizes=batch_sizes,
+                               max_new_tokens=args.max_new_tokens, spec=args.spec,
+                               progress=steps, model=args.model, draft_model=args.draft_model,
+                               min_requests=args.min_requests, repeats=args.repeats)
     except (ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
     print(format_table(result))
-    if args.json:
+    if json_path is not None:
         from dataclasses import asdict
-        Path(args.json).write_text(json.dumps(asdict(result), indent=1) + "\n")
+        _write_atomically(json_path, json.dumps(asdict(result), indent=1) + "\n")
     return 0
 
 
@@ -258,19 +384,26 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="specgate", description="Conformance harness for speculative "
-                     "decoding, with a compact reference engine.")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = _Parser(prog="specgate", formatter_class=fmt, description="Conformance harness "
+                     "for speculative decoding, with a compact reference engine. Exit codes: "
+                     "0 passed, 1 a check failed, 2 usage error, 130 interrupted.")
+    parser.add_argument("--version", action="version", version=f"specgate {_version()}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     sub.required = True
 
-    certify = sub.add_parser("certify", help="run the conformance suite against a backend and "
-                             "write report.md, report.json and junit.xml")
+    certify = sub.add_parser("certify", formatter_class=fmt, help="run the conformance suite "
+                             "against a backend and write report.md, report.json and "
+                             "junit.xml")
     certify.add_argument("--backend", default=os.environ.get("SPECGATE_BACKEND", "refengine"),
-                         help="entry-point name (refengine, hf) or module:factory")
+                         help="entry-point name (refengine, hf), mutant:NAME or module:factory; "
+                              "the default comes from $SPECGATE_BACKEND if set")
     certify.add_argument("--spec", default="none",
-                         help="none | eagle | eagle-tree | all (default: none)")
-    certify.add_argument("--profile", default="gate", choices=["gate", "full"])
-    certify.add_argument("--report", default="specgate-report", help="output directory")
+                         help="none | eagle | eagle-tree | all (one certificate per spec)")
+    certify.add_argument("--profile", default="gate", choices=["gate", "full"],
+                         help="gate: small prompt set, 32 tokens; full: default set, 64 tokens")
+    certify.add_argument("--report", default="specgate-report",
+                         help="output directory, replaced as a whole at the end of the run")
     certify.add_argument("-n", dest="workers", type=_positive_int,
                          default=min(2, os.cpu_count() or 1),
                          help="pytest-xdist workers (0 or 1: in-process)")
@@ -279,39 +412,45 @@ def build_parser() -> argparse.ArgumentParser:
                          help="override the spec configurations' draft model")
     certify.set_defaults(func=cmd_certify)
 
-    gold = sub.add_parser("golden", help="record or check golden acceptance traces (serial)")
+    gold = sub.add_parser("golden", formatter_class=fmt,
+                          help="record or check golden acceptance traces (serial)")
     gold.add_argument("action", choices=["record", "check"])
     gold.add_argument("--spec", default="all", help="eagle | eagle-tree | all")
-    gold.add_argument("--prompt-set", default="default")
-    gold.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    gold.add_argument("--prompt-set", default="default", help="a set in fixtures/prompts")
+    gold.add_argument("--max-new-tokens", type=_positive_int, default=128,
+                      help="tokens per request")
     gold.add_argument("--model", default="tiny-code", help="fixture name or model directory")
     gold.set_defaults(func=cmd_golden)
 
-    mutants = sub.add_parser("mutants", help="run the suite against every bug-zoo mutant; "
-                             "exit 1 if any survives")
+    mutants = sub.add_parser("mutants", formatter_class=fmt, help="run the suite against every "
+                             "bug-zoo mutant; exit 1 if any survives")
     mutants.add_argument("--spec", default=None,
-                         help="force one spec for every mutant (default: eagle for speculative "
+                         help="force one spec for every mutant (unset: eagle for speculative "
                               "mutants, none for plain ones)")
     mutants.add_argument("--draft-model", default=None, help=argparse.SUPPRESS)
-    mutants.add_argument("--profile", default="gate", choices=["gate", "full"])
+    mutants.add_argument("--profile", default="gate", choices=["gate", "full"],
+                         help="as for certify")
     mutants.add_argument("--model", default="tiny-code", help="fixture name or model directory")
-    mutants.add_argument("--only", default="", help="comma-separated mutant names")
+    mutants.add_argument("--only", default="", help="comma-separated mutant names (unset: all)")
     mutants.add_argument("--json", action="store_true", help="print the results as JSON")
     mutants.set_defaults(func=cmd_mutants)
 
-    bench = sub.add_parser("bench", help="tokens/s of backends side by side, with ratios")
+    bench = sub.add_parser("bench", formatter_class=fmt,
+                           help="tokens/s of backends side by side, with ratios")
     bench.add_argument("--backends", default=None,
-                       help="comma-separated (default: refengine,hf for --spec none; refengine "
+                       help="comma-separated (unset: refengine,hf for --spec none; refengine "
                             "otherwise, compared with its own plain decoding)")
-    bench.add_argument("--spec", default="none")
-    bench.add_argument("--batch-sizes", default="1,8,32")
-    bench.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    bench.add_argument("--spec", default="none", help="none | eagle | eagle-tree")
+    bench.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=64,
+                       help="tokens per request")
     bench.add_argument("--model", default="tiny-code", help="fixture name or model directory")
     bench.add_argument("--min-requests", type=_positive_int, default=8,
                        help="requests per batch size at least: batch b runs ceil(n/b) groups")
     bench.add_argument("--repeats", type=_positive_int, default=1,
                        help="run every group this many times per lane and keep the fastest")
-    bench.add_argument("--json", default=None, help="also write the figures here")
+    bench.add_argument("--json", default=None,
+                       help="also write the figures to this file (its directory is created)")
     bench.add_argument("--draft-model", default=None,
                        help="override the spec configurations' draft model")
     bench.set_defaults(func=cmd_bench)
@@ -325,6 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"specgate: error: {err}", file=sys.stderr)
         return USAGE_ERROR
+    except Interrupted as err:
+        print(f"specgate: interrupted: {err}", file=sys.stderr)
+        return INTERRUPTED
+    except KeyboardInterrupt:
+        print("specgate: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

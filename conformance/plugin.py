@@ -175,6 +175,10 @@ class ResultCollector:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.rows: dict[str, dict[str, object]] = {}
+        self.interrupted = False
+
+    def pytest_keyboard_interrupt(self) -> None:
+        self.interrupted = True  # the results then cover only the checks that completed
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         props = dict(report.user_properties)
@@ -206,7 +210,9 @@ class ResultCollector:
         rows = list(self.rows.values())
         vacuous = None
         outcomes = {r["outcome"] for r in rows}
-        if rows and not outcomes & {"passed", "failed"}:
+        if self.interrupted:
+            pass  # an incomplete run is reported as such, not as vacuous
+        elif rows and not outcomes & {"passed", "failed"}:
             vacuous = f"all {len(rows)} checks were skipped or not claimed"
         elif not rows and results_path:
             vacuous = "zero checks collected"
@@ -221,5 +227,6 @@ class ResultCollector:
                 "backend": {"name": ctx.backend.name, "version": ctx.backend.version,
                             "resolved_from": ctx.backend_name},
                 "capabilities": ctx.caps.as_dict(), "spec": ctx.spec.name,
-                "profile": ctx.profile.name, "vacuous": vacuous, "checks": rows,
+                "profile": ctx.profile.name, "vacuous": vacuous,
+                "interrupted": self.interrupted, "checks": rows,
             }, indent=1))

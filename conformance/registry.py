@@ -14,6 +14,7 @@ BUILTIN = {  # so a checkout works before `pip install -e .` registers the entry
     "refengine": "conformance.backends.refengine:backend",
     "hf": "conformance.backends.hf_transformers:backend",
 }
+EXTRAS = {"hf": "hf"}  # bundled backends whose libraries are an optional extra of specgate
 
 
 class BackendError(ValueError):
@@ -49,7 +50,10 @@ def load_backend(spec: str) -> Backend:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise BackendError(f"backend {spec!r}: cannot import {module_name!r} ({err})") from None
+        hint = (f"; install it with: pip install 'specgate[{EXTRAS[spec]}]'" if spec in EXTRAS
+                else "")
+        raise BackendError(f"backend {spec!r}: cannot import {module_name!r} ({err}){hint}"
+                           ) from None
     factory = getattr(module, attr, None)
     if factory is None:
         raise BackendError(f"backend {spec!r}: module {module_name!r} has no {attr!r}")

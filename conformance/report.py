@@ -2,13 +2,16 @@
 
 A tier's status is, in order: "failed" if any check failed; "not claimed" if every check was
 gated off by an undeclared capability; "skipped" if nothing ran for another reason; else
-"passed". Nothing counts as passed unless at least one check in it passed.
+"passed". Nothing counts as passed unless at least one check in it passed. Every check that did
+not run is listed in report.md with its reason. A run stopped by Ctrl-C gives a certificate
+whose status is "incomplete": it covers the checks that finished, and only those.
 """
 
 from __future__ import annotations
 
 import json
 import platform
+import xml.etree.ElementTree as ET
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -26,6 +29,7 @@ class TierSummary:
     status: str
     seconds: float
     failures: list[dict[str, str]] = field(default_factory=list)
+    not_run: dict[str, int] = field(default_factory=dict)  # "outcome: reason" -> checks
 
 
 @dataclass
@@ -35,12 +39,17 @@ class Certificate:
     spec: str
     profile: str
     tiers: list[TierSummary]
-    status: str                # "passed" | "failed"
+    status: str                # "passed" | "failed" | "incomplete" (interrupted)
     vacuous: str | None
     environment: dict[str, str]
     created: str
     checks: list[dict[str, object]]
     matrix: dict[str, dict[str, str]]  # capability -> tier -> status of checks needing it
+    interrupted: bool = False
+
+    @property
+    def total_checks(self) -> int:
+        return sum(sum(t.counts.values()) for t in self.tiers)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -61,6 +70,12 @@ def _environment() -> dict[str, str]:
             "platform": platform.platform(), "threads": str(torch.get_num_threads())}
 
 
+def _not_run(rows: list[dict[str, object]]) -> dict[str, int]:
+    reasons = Counter(f"{r['outcome']}: {str(r['message']).removeprefix('Skipped: ')}"
+                      for r in rows if r["outcome"] in ("skipped", "not claimed"))
+    return dict(sorted(reasons.items()))
+
+
 def build_certificate(results: dict[str, object]) -> Certificate:
     checks: list[dict[str, object]] = list(results["checks"])  # type: ignore[arg-type]
     tiers: dict[str, list[dict[str, object]]] = {}
@@ -73,22 +88,29 @@ def build_certificate(results: dict[str, object]) -> Certificate:
             tier, {o: counts[o] for o in OUTCOMES}, _status(counts),
             round(sum(float(r["duration"]) for r in rows), 2),
             [{"check": str(r["nodeid"]), "message": str(r["message"])}
-             for r in rows if r["outcome"] == "failed"]))
+             for r in rows if r["outcome"] == "failed"], _not_run(rows)))
     matrix: dict[str, dict[str, str]] = {}
     for tier, rows in sorted(tiers.items()):
         for cap in sorted({c for r in rows for c in str(r["requires"]).split(",") if c}):
             needing = Counter(str(r["outcome"]) for r in rows if cap in str(r["requires"]))
             matrix.setdefault(cap, {})[tier] = _status(needing)
     failed = any(s.status == "failed" for s in summaries) or bool(results.get("vacuous"))
+    interrupted = bool(results.get("interrupted"))
     return Certificate(
         backend=dict(results["backend"]),  # type: ignore[arg-type]
         capabilities=dict(results["capabilities"]),  # type: ignore[arg-type]
         spec=str(results["spec"]), profile=str(results["profile"]), tiers=summaries,
-        status="failed" if failed or not summaries else "passed",
-        vacuous=results.get("vacuous") or (None if summaries else "zero checks collected"),
+        status=("incomplete" if interrupted else
+                "failed" if failed or not summaries else "passed"),
+        vacuous=results.get("vacuous") or (None if summaries or interrupted
+                                           else "zero checks collected"),
         environment=_environment(),
         created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ"),
-        checks=checks, matrix=matrix)
+        checks=checks, matrix=matrix, interrupted=interrupted)
+
+
+def headline(cert: Certificate) -> str:
+    return "INCOMPLETE (interrupted)" if cert.interrupted else cert.status.upper()
 
 
 def tier_table(cert: Certificate) -> str:
@@ -117,10 +139,14 @@ def matrix_table(cert: Certificate) -> str:
 def render_markdown(cert: Certificate) -> str:
     b = cert.backend
     out = [f"# specgate certificate: {b['name']} {b['version']}", "",
-           f"- result: **{cert.status.upper()}**",
+           f"- result: **{headline(cert)}**",
            f"- spec: `{cert.spec}`, profile: `{cert.profile}`",
            f"- backend resolved from: `{b['resolved_from']}`",
            f"- created: {cert.created}", ""]
+    if cert.interrupted:
+        out += [f"**The run was interrupted.** This certificate covers the {cert.total_checks} "
+                "checks that finished before it stopped; the checks that did not run are not "
+                "in it, and it certifies nothing.", ""]
     if cert.vacuous:
         out += [f"**Vacuous run refused:** {cert.vacuous}", ""]
     out += ["## Tiers", "", tier_table(cert), "",
@@ -128,6 +154,12 @@ def render_markdown(cert: Certificate) -> str:
             "Each cell: the status of the checks in that tier that need the capability. "
             "\"not claimed\" means the backend does not declare it: nothing was certified.", "",
             matrix_table(cert), ""]
+    not_run = [(t.tier, why, n) for t in cert.tiers for why, n in t.not_run.items()]
+    if not_run:
+        out += ["## Checks that did not run, and why", "", "| tier | checks | why |",
+                "|---|---|---|"]
+        out += [f"| {tier} | {n} | {why} |" for tier, why, n in not_run]
+        out.append("")
     failures = [f for t in cert.tiers for f in t.failures]
     if failures:
         out += ["## Failures", ""]
@@ -147,3 +179,23 @@ def write_reports(cert: Certificate, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "report.md").write_text(render_markdown(cert))
     (directory / "report.json").write_text(cert.to_json() + "\n")
+
+
+def indent_junit(path: Path) -> None:
+    """pytest writes junit.xml on one line; indent it so a diff or a reader can follow it."""
+    tree = ET.parse(path)
+    ET.indent(tree)
+    tree.write(path, encoding="utf-8", xml_declaration=True)
+
+
+def summary_markdown(certs: list[Certificate]) -> str:
+    """One table for a run over several specs: each spec's status and its tiers' statuses."""
+    tiers = sorted({t.tier for c in certs for t in c.tiers})
+    lines = ["# specgate certificates, every spec", "",
+             "| spec | result | " + " | ".join(tiers) + " |", "|---|---|" + "---|" * len(tiers)]
+    for c in certs:
+        status = {t.tier: t.status for t in c.tiers}
+        lines.append(f"| {c.spec} | **{headline(c)}** | "
+                     + " | ".join(status.get(t, "—") for t in tiers) + " |")
+    lines += ["", "Each spec's certificate is in its own directory (`<spec>/report.md`)."]
+    return "\n".join(lines) + "\n"

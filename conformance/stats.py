@@ -18,9 +18,12 @@ alternative can be measured (``power``), so a pass means something and a failure
 * Pooling: the asymptotics need every expected count reasonably large, so cells whose expected
   count is below ``min_expected`` are merged (smallest first) until every pooled cell reaches it.
   Cells of probability zero are never pooled: a single draw there is an impossible event and
-  rejects outright (p-value 0), whatever the rest of the table says.
-* p-value: the chi-square survival function ``Q(df/2, x/2)`` (regularised upper incomplete
-  gamma), implemented here by series / continued fraction, because scipy is not a dependency.
+  rejects outright (p-value 0), whatever the rest of the table says; the statistic then
+  compares the possible draws with the null on its support.
+* Computation: statistic and p-value (the chi-square survival function) come from
+  ``scipy.stats.power_divergence``; ``power`` applies it to all its Monte Carlo samples at once
+  and compares with the critical value ``scipy.stats.chi2.isf``. Pooling, the impossible
+  draws and the level are this module's own.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.stats import chi2, power_divergence
 
 ALPHA = 1e-6          # false-alarm budget per test
 TAIL_SAFETY = 2.0     # allowance for the chi-square approximation's error in the far tail
@@ -38,87 +42,8 @@ MIN_EXPECTED = 10.0   # pooling threshold; stricter than the textbook 5 because 
 CR_LAMBDA = 2.0 / 3.0
 METHODS = ("cr", "g", "pearson")
 
-_EPS = 1e-15
-_TINY = 1e-300
-_MAX_ITER = 100_000
-
-
-def _prefactor(a: float, x: float) -> float:
-    """``x^a e^-x / Gamma(a)``, in logs so large arguments do not overflow."""
-    return math.exp(a * math.log(x) - x - math.lgamma(a))
-
-
-def _lower_series(a: float, x: float) -> float:
-    """Regularised lower gamma P(a, x) by its power series; converges fast for x < a + 1."""
-    term = total = 1.0 / a
-    n = a
-    for _ in range(_MAX_ITER):
-        n += 1.0
-        term *= x / n
-        total += term
-        if abs(term) < abs(total) * _EPS:
-            return total * _prefactor(a, x)
-    raise ArithmeticError(f"gamma series did not converge (a={a}, x={x})")
-
-
-def _upper_fraction(a: float, x: float) -> float:
-    """Regularised upper gamma Q(a, x) by its continued fraction (modified Lentz), for
-    x >= a + 1; it keeps full relative precision in the far tail, where 1 - P would not."""
-    b = x + 1.0 - a
-    c = 1.0 / _TINY
-    d = 1.0 / b
-    h = d
-    for i in range(1, _MAX_ITER):
-        an = -i * (i - a)
-        b += 2.0
-        d = an * d + b
-        d = _TINY if abs(d) < _TINY else d
-        c = b + an / c
-        c = _TINY if abs(c) < _TINY else c
-        d = 1.0 / d
-        delta = d * c
-        h *= delta
-        if abs(delta - 1.0) < _EPS:
-            return h * _prefactor(a, x)
-    raise ArithmeticError(f"gamma continued fraction did not converge (a={a}, x={x})")
-
-
-def gammaincc(a: float, x: float) -> float:
-    """Regularised upper incomplete gamma ``Q(a, x) = Gamma(a, x) / Gamma(a)``."""
-    if not a > 0 or not x >= 0 or math.isnan(x):
-        raise ValueError(f"gammaincc: need a > 0 and x >= 0, got a={a}, x={x}")
-    if x == 0:
-        return 1.0
-    if math.isinf(x):
-        return 0.0
-    if x < a + 1.0:
-        return max(0.0, 1.0 - _lower_series(a, x))
-    return _upper_fraction(a, x)
-
-
-def chi2_sf(x: float, df: int) -> float:
-    """P(X >= x) for X ~ chi-square with ``df`` degrees of freedom."""
-    if df < 1:
-        raise ValueError(f"df: must be >= 1, got {df}")
-    return gammaincc(df / 2.0, max(x, 0.0) / 2.0)
-
-
-def chi2_isf(p: float, df: int) -> float:
-    """The critical value ``x`` with ``chi2_sf(x, df) == p`` (bisection; sf is monotone)."""
-    if not 0.0 < p < 1.0:
-        raise ValueError(f"p: must be in (0, 1), got {p}")
-    lo, hi = 0.0, max(1.0, 2.0 * df)
-    while chi2_sf(hi, df) > p:
-        lo, hi = hi, 2.0 * hi
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if chi2_sf(mid, df) > p:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-12 * hi:
-            break
-    return 0.5 * (lo + hi)
+# scipy.stats.power_divergence's lambda_ for each method
+_LAMBDA: dict[str, float | str] = {"cr": CR_LAMBDA, "g": "log-likelihood", "pearson": "pearson"}
 
 
 # --- pooling and the test ----------------------------------------------------------------------
@@ -160,21 +85,6 @@ def pool_cells(expected: Sequence[float] | np.ndarray, min_expected: float = MIN
     return Pooling(tuple(tuple(g) for g, _ in ordered), impossible)
 
 
-def _statistic(observed: np.ndarray, expected: np.ndarray, method: str) -> np.ndarray:
-    """Row-wise statistic; ``observed``/``expected`` are ``[..., cells]``."""
-    if method == "cr":
-        lam = CR_LAMBDA
-        terms = observed * ((observed / expected) ** lam - 1.0)
-        return 2.0 / (lam * (lam + 1.0)) * terms.sum(axis=-1)
-    if method == "g":
-        with np.errstate(divide="ignore", invalid="ignore"):
-            terms = np.where(observed > 0, observed * np.log(observed / expected), 0.0)
-        return 2.0 * terms.sum(axis=-1)
-    if method == "pearson":
-        return ((observed - expected) ** 2 / expected).sum(axis=-1)
-    raise ValueError(f"method: must be one of {METHODS}, got {method!r}")
-
-
 @dataclass(frozen=True)
 class GofResult:
     """One goodness-of-fit test: statistic, degrees of freedom, p-value and the verdict."""
@@ -182,7 +92,7 @@ class GofResult:
     n: int
     cells: int               # tested cells after pooling
     df: int
-    statistic: float
+    statistic: float         # over the possible draws
     p_value: float
     alpha: float
     impossible_hits: int     # draws in cells of probability zero (each alone rejects)
@@ -220,13 +130,17 @@ def gof_test(counts: Sequence[int] | np.ndarray, probs: Sequence[float] | np.nda
     if n == 0:
         raise ValueError("counts: no observations")
     pooling = pool_cells(n * p, min_expected)
-    hits = int(observed[list(pooling.impossible)].sum()) if pooling.impossible else 0
+    hits = int(observed[list(pooling.impossible)].sum())
     m = pooling.matrix(p.shape[0])
-    if pooling.df < 1:  # one possible cell: only the impossible draws can be tested
+    pooled = observed @ m
+    possible = float(pooled.sum())  # n, less the impossible draws
+    if pooling.df < 1 or possible == 0:  # nothing to compare: only impossible draws are tested
         stat, p_value = 0.0, 1.0
     else:
-        stat = float(_statistic(observed @ m, n * (p @ m), method))
-        p_value = chi2_sf(stat, pooling.df)
+        # Expected counts for the possible draws only: scipy requires equal totals, and the
+        # impossible draws are judged on their own below (with none, this is ``n * p``).
+        result = power_divergence(pooled, possible * (p @ m), lambda_=_LAMBDA[method])
+        stat, p_value = float(result.statistic), float(result.pvalue)
     if hits:
         p_value = 0.0
     return GofResult(n, len(pooling.groups), pooling.df, stat, p_value, alpha, hits, method)
@@ -239,18 +153,25 @@ def power(p_null: Sequence[float] | np.ndarray, p_alt: Sequence[float] | np.ndar
     """Monte Carlo power: the fraction of ``trials`` samples of size ``n`` drawn from ``p_alt``
     that ``gof_test`` against ``p_null`` rejects at ``alpha``. Pooling and the critical value
     depend on the null and ``n`` only, so they are computed once."""
+    if method not in METHODS:
+        raise ValueError(f"method: must be one of {METHODS}, got {method!r}")
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha: must be in (0, 1), got {alpha}")
     p0 = _null(p_null)
     p1 = _null(p_alt)
     if p0.shape != p1.shape:
         raise ValueError(f"p_alt: {p1.shape[0]} cells, p_null has {p0.shape[0]}")
     rng = rng if rng is not None else np.random.default_rng(0)
-    counts = rng.multinomial(n, p1, size=trials).astype(np.float64)
+    counts = rng.multinomial(n, p1, size=trials)
     pooling = pool_cells(n * p0, min_expected)
-    impossible = (counts[:, list(pooling.impossible)].sum(axis=1) > 0 if pooling.impossible
-                  else np.zeros(trials, dtype=bool))
+    rejected = counts[:, list(pooling.impossible)].sum(axis=1) > 0
     if pooling.df < 1:
-        return float(impossible.mean())
+        return float(rejected.mean())
+    # Samples with an impossible draw are rejected already; the rest have all n draws in the
+    # possible cells, so their totals match ``n * p0`` as scipy requires.
     m = pooling.matrix(p0.shape[0])
-    stats = _statistic(counts @ m, n * (p0 @ m), method)
-    critical = chi2_isf(alpha, pooling.df)
-    return float(((stats > critical) | impossible).mean())
+    rest = ~rejected
+    stats = power_divergence(counts[rest] @ m, n * (p0 @ m), axis=-1,
+                             lambda_=_LAMBDA[method]).statistic
+    rejected[rest] = stats > chi2.isf(alpha, pooling.df)
+    return float(rejected.mean())

@@ -14,12 +14,28 @@ from conformance.bench import BenchResult, format_table, parse_batch_sizes, run_
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+class Recorder:
+    """A ``BenchProgress`` that keeps every line it is given."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def start(self, label: str) -> None:
+        self.lines.append(f"start {label}")
+
+    def note(self, text: str) -> None:
+        self.lines.append(f"note {text}")
+
+    def done(self, result: str) -> None:
+        self.lines.append(f"done {result}")
+
+
 @pytest.fixture(scope="module")
 def bench_result(random_model_dir: Path) -> tuple[BenchResult, list[str]]:
-    messages: list[str] = []
-    result = run_bench(["refengine", "hf"], [1, 2], 4, "none", messages.append,
+    recorder = Recorder()
+    result = run_bench(["refengine", "hf"], [1, 2], 4, "none", recorder,
                        model=str(random_model_dir))
-    return result, messages
+    return result, recorder.lines
 
 
 def test_bench_measures_both_backends(bench_result: tuple[BenchResult, list[str]]) -> None:
@@ -34,7 +50,10 @@ def test_bench_measures_both_backends(bench_result: tuple[BenchResult, list[str]
             assert timing.tokens_per_s > 0
     assert result.threads == 1
     assert result.versions["hf"].startswith("hf transformers ")
-    assert any("batch   2: hf" in m for m in messages)
+    starts = [m for m in messages if m.startswith("start ")]
+    assert [m.split()[2] for m in starts] == ["1", "2"]  # one item per batch size, in order
+    done = [m for m in messages if m.startswith("done ")]
+    assert len(done) == 2 and all("refengine " in m and "hf " in m for m in done)
 
 
 def test_table_and_json(bench_result: tuple[BenchResult, list[str]]) -> None:
@@ -53,19 +72,20 @@ def test_table_and_json(bench_result: tuple[BenchResult, list[str]]) -> None:
 
 
 def test_single_backend_has_no_ratio(random_model_dir: Path) -> None:
-    result = run_bench(["hf"], [3], 2, "none", lambda _: None, model=str(random_model_dir))
+    result = run_bench(["hf"], [3], 2, "none", Recorder(), model=str(random_model_dir))
     assert result.rows[0].results["hf"].total_tokens == 6
     assert ["batch", "hf", "tok/s"] in [line.split() for line in format_table(result).splitlines()]
 
 
 def test_min_requests_runs_groups_of_each_batch_size(random_model_dir: Path) -> None:
     """Batch b runs ceil(min_requests / b) groups; their tokens and seconds are pooled."""
-    messages: list[str] = []
-    result = run_bench(["refengine"], [1, 2], 3, "none", messages.append,
+    recorder = Recorder()
+    result = run_bench(["refengine"], [1, 2], 3, "none", recorder,
                        model=str(random_model_dir), min_requests=3)
     totals = [row.results["refengine"].total_tokens for row in result.rows]
     assert totals == [3 * 3, 2 * 2 * 3]
-    assert "batch   1: refengine" in messages[-2] and "(9 tokens in" in messages[-2]
+    assert recorder.lines[-4].startswith("start batch 1 (3 group(s)")
+    assert recorder.lines[-3].startswith("done refengine ") and "(9 tokens in" in recorder.lines[-3]
 
 
 def test_repeats_keep_each_groups_fastest_run(random_model_dir: Path,
@@ -82,7 +102,7 @@ def test_repeats_keep_each_groups_fastest_run(random_model_dir: Path,
         return max_new_tokens * len(prompts), seconds.get(tag, 0.01), [[]]
 
     monkeypatch.setattr(bench, "_run_batch", scripted)
-    result = run_bench(["refengine"], [1], 2, "none", lambda _: None,
+    result = run_bench(["refengine"], [1], 2, "none", Recorder(),
                        model=str(random_model_dir), min_requests=2, repeats=3)
     timing = result.rows[0].results["refengine"]
     assert tags[1:] == list(seconds)  # after the warm-up, each group three times in turn
@@ -95,24 +115,24 @@ def test_repeats_that_disagree_are_refused(random_model_dir: Path,
     counts = iter([2, 2, 3])  # warm-up, then two repeats of one group emitting different counts
     monkeypatch.setattr(bench, "_run_batch", lambda *_: (next(counts), 1.0, [[]]))
     with pytest.raises(RuntimeError, match="repeats of one group emitted different"):
-        run_bench(["refengine"], [1], 2, "none", lambda _: None, model=str(random_model_dir),
+        run_bench(["refengine"], [1], 2, "none", Recorder(), model=str(random_model_dir),
                   repeats=2)
 
 
 def test_rejects_bad_arguments(random_model_dir: Path) -> None:
     model = str(random_model_dir)
     with pytest.raises(ValueError, match=r"^--spec: 'warp' not supported by bench"):
-        run_bench(["refengine"], [1], 4, "warp", print, model=model)
+        run_bench(["refengine"], [1], 4, "warp", Recorder(), model=model)
     with pytest.raises(ValueError, match=r"^--batch-sizes"):
-        run_bench(["refengine"], [0], 4, "none", print, model=model)
+        run_bench(["refengine"], [0], 4, "none", Recorder(), model=model)
     with pytest.raises(ValueError, match=r"^--max-new-tokens"):
-        run_bench(["refengine"], [1], 0, "none", print, model=model)
+        run_bench(["refengine"], [1], 0, "none", Recorder(), model=model)
     with pytest.raises(ValueError, match=r"^--backends"):
-        run_bench(["hf", "hf"], [1], 4, "none", print, model=model)
+        run_bench(["hf", "hf"], [1], 4, "none", Recorder(), model=model)
     with pytest.raises(ValueError, match=r"^--min-requests"):
-        run_bench(["refengine"], [1], 4, "none", print, model=model, min_requests=0)
+        run_bench(["refengine"], [1], 4, "none", Recorder(), model=model, min_requests=0)
     with pytest.raises(ValueError, match=r"^--repeats"):
-        run_bench(["refengine"], [1], 4, "none", print, model=model, repeats=0)
+        run_bench(["refengine"], [1], 4, "none", Recorder(), model=model, repeats=0)
 
 
 def test_parse_batch_sizes() -> None:

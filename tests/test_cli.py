@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,7 +78,12 @@ def test_certify_writes_three_reports(capsys: pytest.CaptureFixture[str], random
     assert {"lossless", "memory", "lifecycle", "kernel"} <= set(tiers)
     assert all(t["counts"]["failed"] == 0 for t in tiers.values())
     assert all(tiers[t]["counts"]["passed"] > 0 for t in ("lossless", "memory", "lifecycle"))
-    assert "| lossless |" in out
+    assert "spec none: PASSED" in out and "lossless" in out
+    report_md = (tmp_path / "report.md").read_text()
+    # a tier that did not run says why, in the report itself
+    assert "## Checks that did not run, and why" in report_md
+    assert "| worker | 6 | skipped: plain decoding has no speculative worker |" in report_md
+    assert len((tmp_path / "junit.xml").read_text().splitlines()) > 10  # indented, not one line
 
 
 def test_certify_fails_on_a_mutant(capsys: pytest.CaptureFixture[str], random_model_dir: Path,
@@ -88,3 +95,125 @@ def test_certify_fails_on_a_mutant(capsys: pytest.CaptureFixture[str], random_mo
     assert report["status"] == "failed"
     failed = [f["check"] for t in report["tiers"] for f in t["failures"]]
     assert any("test_stop_at_first_token" in f for f in failed), failed
+
+
+# --- bad paths: one line, exit 2, before any work, nothing half-written -------------------------
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.startswith("specgate ")
+
+
+def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["certify", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: specgate-report)" in out and "(default: gate)" in out
+
+
+def _no_work_done(tmp_path: Path, before: set[str]) -> None:
+    """Nothing was written beside the inputs: no report, no staging directory."""
+    assert {p.name for p in tmp_path.iterdir()} == before
+
+
+def test_report_path_that_is_a_file(capsys: pytest.CaptureFixture[str], random_model_dir: Path,
+                                    tmp_path: Path) -> None:
+    target = tmp_path / "report"
+    target.write_text("not a directory")
+    code, _, err = run(capsys, "certify", "--model", str(random_model_dir), "--report",
+                       str(target))
+    assert_usage_error(code, err, "--report", "not a directory")
+    assert target.read_text() == "not a directory"
+    _no_work_done(tmp_path, {"report"})
+
+
+def test_report_path_under_a_file_is_unwritable(capsys: pytest.CaptureFixture[str],
+                                                random_model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    code, _, err = run(capsys, "certify", "--model", str(random_model_dir), "--report",
+                       str(tmp_path / "file" / "report"))
+    assert_usage_error(code, err, "--report", "cannot write there")
+    _no_work_done(tmp_path, {"file"})
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_report_in_a_read_only_directory(capsys: pytest.CaptureFixture[str],
+                                         random_model_dir: Path, tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    code, _, err = run(capsys, "certify", "--model", str(random_model_dir), "--report",
+                       str(locked / "report"))
+    assert_usage_error(code, err, "--report", "cannot write there")
+
+
+def test_report_dir_with_someone_elses_files_is_refused(capsys: pytest.CaptureFixture[str],
+                                                        random_model_dir: Path,
+                                                        tmp_path: Path) -> None:
+    """The report directory is replaced as a whole, so one holding other files is refused."""
+    (tmp_path / "report.md").write_text("old")
+    (tmp_path / "notes.txt").write_text("mine")
+    code, _, err = run(capsys, "certify", "--model", str(random_model_dir), "--report",
+                       str(tmp_path))
+    assert_usage_error(code, err, "--report", "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    _no_work_done(tmp_path, {"report.md", "notes.txt"})
+
+
+def test_a_new_report_replaces_the_old_one_whole(capsys: pytest.CaptureFixture[str],
+                                                 random_model_dir: Path, tmp_path: Path) -> None:
+    """An older report.md (and a spec directory of an earlier `--spec all` run) never survives
+    beside newer files."""
+    report = tmp_path / "report"
+    (report / "eagle").mkdir(parents=True)
+    (report / "report.md").write_text("result: **PASSED** (an old run)")
+    (report / "eagle" / "report.md").write_text("old")
+    code, _, _ = run(capsys, "certify", "--backend", "mutant:ignores_stop_token_ids",
+                     "--model", str(random_model_dir), "-n", "0", "--report", str(report))
+    assert code == 1
+    assert sorted(p.name for p in report.iterdir()) == ["junit.xml", "report.json", "report.md"]
+    assert "FAILED" in (report / "report.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]  # no staging left
+
+
+def test_bench_json_into_a_missing_directory_is_created(capsys: pytest.CaptureFixture[str],
+                                                        random_model_dir: Path,
+                                                        tmp_path: Path) -> None:
+    target = tmp_path / "new" / "dir" / "bench.json"
+    code, out, _ = run(capsys, "bench", "--model", str(random_model_dir), "--backends",
+                       "refengine", "--batch-sizes", "1", "--max-new-tokens", "2",
+                       "--min-requests", "1", "--json", str(target))
+    assert code == 0, out
+    assert json.loads(target.read_text())["rows"][0]["batch_size"] == 1
+
+
+@pytest.mark.parametrize("where, needle", [("dir", "is a directory"),
+                                           ("under-file", "cannot write there")])
+def test_bench_json_bad_path_is_refused_before_the_bench(
+        capsys: pytest.CaptureFixture[str], random_model_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, where: str, needle: str) -> None:
+    import conformance.bench
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the bench ran before its --json path was checked")
+
+    monkeypatch.setattr(conformance.bench, "run_bench", must_not_run)
+    (tmp_path / "file").write_text("x")
+    target = tmp_path if where == "dir" else tmp_path / "file" / "bench.json"
+    code, _, err = run(capsys, "bench", "--model", str(random_model_dir), "--json", str(target))
+    assert_usage_error(code, err, "--json", needle)
+
+
+def test_golden_unknown_prompt_set(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "golden", "check", "--prompt-set", "nope")
+    assert_usage_error(code, err, "unknown prompt set", "nope")
+
+
+def test_hf_backend_without_transformers_names_the_extra(
+        capsys: pytest.CaptureFixture[str], random_model_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import fails as if not installed
+    monkeypatch.delitem(sys.modules, "conformance.backends.hf_transformers", raising=False)
+    code, _, err = run(capsys, "certify", "--backend", "hf", "--model", str(random_model_dir))
+    assert_usage_error(code, err, "specgate[hf]")

@@ -9,8 +9,8 @@ import pytest
 
 from conformance.adapter import Capabilities
 from conformance.backends.refengine import RefEngineBackend
-from conformance.cli import _plugin_args
 from conformance.registry import BackendError, load_backend
+from conformance.suite_run import plugin_args
 
 pytest_plugins = ["pytester"]
 
@@ -47,7 +47,7 @@ def run_suite(pytester: pytest.Pytester, backend: str, model: Path, *extra: str
     results = pytester.path / "results.json"
     res = pytester.runpytest_inprocess(
         str(SUITE), "-c", str(pytester.path / "none.ini"), "--rootdir", str(SUITE),
-        "-p", "no:cacheprovider", *_plugin_args(), "--specgate-backend", backend,
+        "-p", "no:cacheprovider", *plugin_args(), "--specgate-backend", backend,
         "--specgate-model", str(model), "--specgate-results", str(results), *extra)
     return res, json.loads(results.read_text())
 

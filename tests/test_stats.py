@@ -1,4 +1,4 @@
-"""conformance.stats: the chi-square tail without scipy, pooling, the G-test and its power."""
+"""conformance.stats: pooling, the statistics, impossible draws, the level and power."""
 
 from __future__ import annotations
 
@@ -10,68 +10,12 @@ import pytest
 from conformance.stats import (
     ALPHA,
     CR_LAMBDA,
+    METHODS,
     NOMINAL_ALPHA,
-    chi2_isf,
-    chi2_sf,
-    gammaincc,
     gof_test,
     pool_cells,
     power,
 )
-
-
-def closed_form_sf(x: float, df: int) -> float:
-    """Chi-square survival in closed form: a Poisson sum for even df, erfc plus a series for
-    odd df (Abramowitz & Stegun 26.4.4/26.4.5) — independent of the gamma code under test."""
-    h = x / 2.0
-    if df % 2 == 0:
-        return math.exp(-h) * sum(h**k / math.factorial(k) for k in range(df // 2))
-    total = math.erfc(math.sqrt(h))
-    term = math.sqrt(x) * math.exp(-h) / math.gamma(1.5)  # x^(1/2) e^(-x/2) / (2^(1/2) G(3/2))
-    term /= math.sqrt(2.0)
-    for k in range(1, (df - 1) // 2 + 1):
-        total += term
-        term *= x / (2 * k + 1)
-    return total
-
-
-@pytest.mark.parametrize(("x", "df", "want"), [
-    (3.841458820694124, 1, 0.05),        # the familiar 5% point
-    (6.634896601021214, 1, 0.01),
-    (23.209251158954356, 10, 0.01),
-    (18.307038053275146, 10, 0.05),
-    (23.928126976934436, 1, 1e-6),      # the tier's budget, df 1
-])
-def test_known_quantiles(x: float, df: int, want: float) -> None:
-    assert chi2_sf(x, df) == pytest.approx(want, rel=1e-9)
-    assert chi2_isf(want, df) == pytest.approx(x, rel=1e-9)
-
-
-@pytest.mark.parametrize("df", [1, 2, 3, 4, 5, 9, 10, 15, 16, 31, 63, 64])
-@pytest.mark.parametrize("x", [0.01, 0.5, 1.0, 3.0, 10.0, 30.0, 60.0, 150.0, 300.0])
-def test_matches_closed_form(x: float, df: int) -> None:
-    """Body and far tail, on both sides of the series / continued-fraction switch."""
-    want = closed_form_sf(x, df)
-    assert chi2_sf(x, df) == pytest.approx(want, rel=1e-10, abs=1e-300)
-
-
-def test_edges() -> None:
-    assert chi2_sf(0.0, 3) == 1.0
-    assert chi2_sf(-1.0, 3) == 1.0
-    assert chi2_sf(math.inf, 3) == 0.0
-    assert gammaincc(1.0, 2.0) == pytest.approx(math.exp(-2.0), rel=1e-14)
-    with pytest.raises(ValueError):
-        chi2_sf(1.0, 0)
-    with pytest.raises(ValueError):
-        gammaincc(-1.0, 1.0)
-    with pytest.raises(ValueError):
-        chi2_isf(0.0, 3)
-
-
-def test_isf_roundtrip() -> None:
-    for df in (1, 7, 15, 63):
-        for p in (0.5, 1e-3, ALPHA, 1e-12):
-            assert chi2_sf(chi2_isf(p, df), df) == pytest.approx(p, rel=1e-8)
 
 
 def test_pooling_merges_smallest_and_keeps_zeros_apart() -> None:
@@ -117,13 +61,52 @@ def test_statistics_by_hand() -> None:
     result = gof_test(counts, p)
     assert result.method == "cr" and result.statistic == pytest.approx(cr)
     assert result.alpha == NOMINAL_ALPHA == ALPHA / 2
-    assert result.p_value == pytest.approx(chi2_sf(cr, 2))
+    assert result.df == 2 and result.p_value == pytest.approx(math.exp(-cr / 2), rel=1e-12)
+
+
+def by_hand(counts: np.ndarray, e: np.ndarray, method: str) -> float:
+    """The three statistics from their textbook formulas, for comparison with scipy's."""
+    if method == "g":
+        return 2 * float((counts * np.log(counts / e)).sum())
+    if method == "pearson":
+        return float(((counts - e) ** 2 / e).sum())
+    lam = CR_LAMBDA
+    return 2 / (lam * (lam + 1)) * float((counts * ((counts / e) ** lam - 1)).sum())
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_statistic_is_taken_over_pooled_cells(method: str) -> None:
+    """Expected 5 + 5 is merged into one cell: the statistic and df see four cells."""
+    counts, p = np.array([41, 33, 14, 9, 3]), np.array([0.5, 0.3, 0.1, 0.05, 0.05])
+    result = gof_test(counts, p, method=method)
+    pooled = np.array([41.0, 33.0, 14.0, 12.0])
+    assert (result.cells, result.df) == (4, 3)
+    assert result.statistic == pytest.approx(by_hand(pooled, 100 * np.array([0.5, 0.3, 0.1, 0.1]),
+                                                     method), rel=1e-12)
+    x = result.statistic  # chi-square survival for df 3, closed form
+    want = math.erfc(math.sqrt(x / 2)) + math.sqrt(2 * x / math.pi) * math.exp(-x / 2)
+    assert result.p_value == pytest.approx(want, rel=1e-10)
 
 
 def test_draw_of_probability_zero_rejects_outright() -> None:
     p = np.array([0.5, 0.5, 0.0])
     result = gof_test([500, 499, 1], p)
     assert result.impossible_hits == 1 and result.p_value == 0.0 and result.rejected
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_statistic_with_impossible_draws_covers_the_possible_ones(method: str) -> None:
+    """With impossible draws the statistic still describes the rest of the table: the possible
+    draws against the null scaled to their number (never negative, unlike expected counts
+    that sum to more than the draws)."""
+    p = np.array([0.5, 0.5, 0.0])
+    result = gof_test([520, 470, 10], p, method=method)
+    want = by_hand(np.array([520.0, 470.0]), np.array([495.0, 495.0]), method)
+    assert result.statistic == pytest.approx(want, rel=1e-12) and result.statistic > 0
+    assert result.impossible_hits == 10 and result.p_value == 0.0
+    only_impossible = gof_test([0, 0, 100], p, method=method)
+    assert only_impossible.df == 1 and only_impossible.statistic == 0.0
+    assert only_impossible.rejected
 
 
 def test_input_validation() -> None:
@@ -135,6 +118,12 @@ def test_input_validation() -> None:
         gof_test([0, 0], [0.5, 0.5])
     with pytest.raises(ValueError, match="method"):
         gof_test([5, 5], [0.5, 0.5], method="ks")
+    with pytest.raises(ValueError, match="method"):
+        power([0.5, 0.5], [0.5, 0.5], 100, method="ks")
+    with pytest.raises(ValueError, match="alpha"):
+        power([0.5, 0.5], [0.5, 0.5], 100, alpha=0.0)
+    with pytest.raises(ValueError, match="p_alt"):
+        power([0.5, 0.5], [0.2, 0.3, 0.5], 100)
 
 
 @pytest.mark.parametrize(("alpha", "trials"), [(1e-2, 20_000), (1e-3, 100_000)])
@@ -145,6 +134,24 @@ def test_false_alarm_rate_is_calibrated(alpha: float, trials: int) -> None:
     rate = power(p, p, 1500, alpha=alpha, trials=trials, rng=np.random.default_rng(4))
     expected = alpha * trials
     assert abs(rate * trials - expected) < 4 * expected**0.5, rate
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_power_agrees_with_gof_test_sample_by_sample(method: str) -> None:
+    """``power``'s vectorised path (all samples at once, a critical value instead of p-values,
+    samples with impossible draws set aside) rejects exactly the samples ``gof_test`` rejects."""
+    p_null = np.array([0.3, 0.25, 0.2, 0.15, 0.06, 0.03, 0.01, 0.0])
+    p_alt = np.array([0.28, 0.26, 0.21, 0.15, 0.06, 0.03, 0.008, 0.002])
+    n, trials, alpha = 400, 400, 0.05
+    rate = power(p_null, p_alt, n, alpha=alpha, trials=trials, rng=np.random.default_rng(7),
+                 method=method)
+    samples = np.random.default_rng(7).multinomial(n, p_alt, size=trials)
+    results = [gof_test(c, p_null, alpha=alpha, method=method) for c in samples]
+    with_hits = sum(r.impossible_hits > 0 for r in results)
+    assert 0 < with_hits < trials  # both paths are exercised
+    assert any(r.rejected and not r.impossible_hits for r in results)
+    assert any(not r.rejected for r in results)
+    assert rate == sum(r.rejected for r in results) / trials
 
 
 def test_power_grows_with_sample_size() -> None:

@@ -17,13 +17,14 @@ Semantics deliberately mirror refengine so the two can be compared directly:
 
 from __future__ import annotations
 
+import inspect
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaForCausalLM
 
 from conformance.adapter import (
     Capabilities,
@@ -37,6 +38,11 @@ from conformance.adapter import (
 from refengine.data import resolve_model_dir
 from refengine.request import FinishReason
 from refengine.sampler import sample_one, sampling_probs
+
+# transformers 5 renamed the forward's cache argument (`past_key_values` -> `cache`) and warns on
+# the old name; 4.x knows only the old one.
+_CACHE_ARG = ("cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters
+              else "past_key_values")
 
 
 @dataclass(eq=False)
@@ -199,7 +205,7 @@ class HFHandle:
         live = list(jobs)
         while live:
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                             past_key_values=cache, use_cache=True)
+                             use_cache=True, **{_CACHE_ARG: cache})
             tokens = self._select(out.logits[:, -1, :].float(), live)
             keep: list[int] = []
             for b, (job, token) in enumerate(zip(live, tokens, strict=True)):
@@ -231,6 +237,7 @@ class HFBackend:
         if cfg.spec is not None:
             raise ValueError("spec: the hf backend supports plain decoding only")
         path: Path = resolve_model_dir(cfg.model)
+        transformers.utils.logging.disable_progress_bar()  # a loading bar per open is noise
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         tokenizer = AutoTokenizer.from_pretrained(path)
         return HFHandle(model, tokenizer, cfg.seed, cfg.max_running_requests)

@@ -6,6 +6,8 @@ Only what the engine needs is read; every problem is reported as one line naming
 from __future__ import annotations
 
 import json
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +16,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+DRAFT_FILES = ("config.json", "model.safetensors")  # a draft head uses the target's tokenizer
+
+# Bytes per element of the safetensors dtypes whose tensor sizes are checked; other dtypes (the
+# sub-byte F4/F6 kinds, later additions) still get the offset checks.
+SAFETENSORS_ITEMSIZE: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+    "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+}
+# A clone made without git-lfs holds this text pointer in place of the weights.
+LFS_POINTER = b"version https://git-lfs"
 
 
 @dataclass(frozen=True)
@@ -54,20 +66,120 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)))
         except KeyError as missing:
             raise ValueError(f"{source}: missing field {missing}") from None
+        except (TypeError, ValueError) as err:  # e.g. "hidden_size": null or "x"
+            raise ValueError(f"{source}: bad field value ({err})") from None
+
+
+def _corrupt(path: Path, problem: str) -> ValueError:
+    return ValueError(f"corrupt safetensors file {path}: {problem}")
+
+
+def _is_int(value: object) -> bool:
+    # JSON true/false arrive as bool, a subclass of int, and are neither offsets nor dimensions.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _read_safetensors_header(path: Path) -> tuple[object, int]:
+    """The parsed JSON header of ``path`` and the size of the data section that follows it."""
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size  # of the file actually read
+            if size < 8:
+                raise _corrupt(path, f"truncated: {size} bytes, less than the 8-byte header "
+                                     "length")
+            prefix = f.read(8)
+            length = int.from_bytes(prefix, "little")
+            if length == 0 or 8 + length > size:
+                if (prefix + f.read(len(LFS_POINTER))).startswith(LFS_POINTER):
+                    raise _corrupt(path, "a Git LFS pointer, not the weights (run git lfs pull)")
+                raise _corrupt(path, f"header length {length} does not fit in a {size}-byte "
+                                     "file (truncated, or not safetensors)")
+            raw = f.read(length)
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror}") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as err:  # ValueError covers JSON and UTF-8 errors
+        raise _corrupt(path, f"header is not valid JSON ({err})") from None
+    return header, size - 8 - length
+
+
+def _tensor_span(path: Path, name: str, entry: object) -> tuple[int, int]:
+    """The [begin, end) data offsets of one header entry, checked against its shape and dtype."""
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+        raise _corrupt(path, f"tensor {name!r} lacks dtype, shape or data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))):
+        raise _corrupt(path, f"tensor {name!r}: data_offsets {offsets!r} are not two integers")
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        raise _corrupt(path, f"tensor {name!r}: data_offsets [{begin}, {end}] are out of order")
+    if not isinstance(dtype, str):
+        raise _corrupt(path, f"tensor {name!r}: dtype {dtype!r} is not a string")
+    if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
+        raise _corrupt(path, f"tensor {name!r}: shape {shape!r} is not a list of sizes")
+    itemsize = SAFETENSORS_ITEMSIZE.get(dtype)
+    if itemsize is not None and end - begin != math.prod(shape) * itemsize:
+        raise _corrupt(path, f"tensor {name!r}: data_offsets [{begin}, {end}] hold "
+                             f"{end - begin} bytes, shape {shape} of {dtype} needs "
+                             f"{math.prod(shape) * itemsize}")
+    return begin, end
+
+
+def check_safetensors_header(path: Path) -> None:
+    """Check a safetensors file's header against itself and the file's size, reading only the
+    header: a truncated or garbled file fails here, with one line, instead of in every test
+    that loads it. ValueError names the file and the problem."""
+    header, data_size = _read_safetensors_header(path)
+    if not isinstance(header, dict):
+        raise _corrupt(path, f"header is a JSON {type(header).__name__}, not an object")
+    spans = sorted((*_tensor_span(path, name, entry), name)
+                   for name, entry in header.items() if name != "__metadata__")
+    # The tensors must tile the data section, as the safetensors loader itself requires: a gap
+    # or an overlap means the offsets were damaged even when every size still matches.
+    covered = 0
+    for begin, end, name in spans:
+        if begin != covered:
+            raise _corrupt(path, f"tensor {name!r} starts at data byte {begin}, expected "
+                                 f"{covered} (gap or overlap in data_offsets)")
+        covered = end
+    if covered > data_size:
+        raise _corrupt(path, f"truncated: header promises {covered} data bytes, file has "
+                             f"{data_size}")
+    if covered < data_size:
+        raise _corrupt(path, f"{data_size - covered} trailing bytes after the {covered} data "
+                             "bytes the header describes")
+
+
+def _check_dir(path: Path, required: tuple[str, ...], kind: str) -> None:
+    for name in required:
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"{kind} directory {path} is missing {name}")
+    load_config(path)
+    check_safetensors_header(path / "model.safetensors")
 
 
 def check_model_dir(path: Path) -> None:
-    for name in REQUIRED_FILES:
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"model directory {path} is missing {name}")
+    """Fail fast on a model directory the engine could not load: FileNotFoundError for a missing
+    file, a one-line ValueError for a config.json that does not parse or a damaged
+    model.safetensors. Reads config.json and the safetensors header only, so it takes
+    milliseconds whatever the model's size."""
+    _check_dir(path, REQUIRED_FILES, "model")
+
+
+def check_draft_dir(path: Path) -> None:
+    """``check_model_dir`` for an EAGLE head directory, which has no tokenizer of its own."""
+    _check_dir(path, DRAFT_FILES, "draft model")
 
 
 def load_config(path: Path) -> ModelConfig:
     source = path / "config.json"
     try:
-        raw = json.loads(source.read_text())
-    except json.JSONDecodeError as err:
+        raw = json.loads(source.read_text(encoding="utf-8"))
+    except ValueError as err:  # a JSON error, or bytes that are not UTF-8
         raise ValueError(f"{source}: not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: a JSON {type(raw).__name__}, not an object")
     return ModelConfig.from_dict(raw, source)
 
 
