@@ -82,9 +82,8 @@ def _validate(spec: str, backends: list[str], model: str, draft_model: str | Non
 # --- certify ----------------------------------------------------------------------------------
 
 def _pytest_problem(run: SuiteRun) -> str:
-    """The tail of pytest's own output, for a suite that pytest could not run."""
-    lines = [ln for ln in run.output.splitlines() if ln.strip()]
-    return "\n".join(lines[-25:]) or f"pytest exit code {run.exit_code}, no output"
+    """Why pytest could not run the suite, as pytest reported it."""
+    return "\n".join(run.problems) or f"pytest exit code {run.exit_code}"
 
 
 def _certify_one(args: argparse.Namespace, spec: SpecChoice, out_dir: Path,
@@ -107,8 +106,8 @@ def _certify_one(args: argparse.Namespace, spec: SpecChoice, out_dir: Path,
         run = run_suite(opts, Path(tmp) / "results.json", junit, (TierProgress(console),))
     if junit.exists():
         indent_junit(junit)
-    if run.exit_code == pytest.ExitCode.USAGE_ERROR:
-        raise UsageError(_pytest_problem(run).splitlines()[-1])
+    if run.exit_code == pytest.ExitCode.USAGE_ERROR:  # its message is on stderr already
+        raise UsageError("pytest refused the suite's arguments (see its message above)")
     if run.results is None or (not run.interrupted and run.exit_code in (
             pytest.ExitCode.INTERRUPTED, pytest.ExitCode.INTERNAL_ERROR)):
         if not run.interrupted:
@@ -257,7 +256,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         table = Table(title=f"specgate mutants: {len(rows) - len(survived)} of {len(rows)} "
                             "killed")
         for column in ("mutant", "spec", "bug class", "status", "killed by"):
-            table.add_column(column)
+            table.add_column(column, overflow="fold")
         for r in rows:
             table.add_row(r["mutant"], r["spec"], r["bug_class"], r["status"],
                           r["killed_by"] or "—")

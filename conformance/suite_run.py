@@ -1,12 +1,15 @@
 """Run the conformance suite in-process under pytest, for ``certify`` and ``mutants``.
 
-pytest's own terminal output is captured, not shown: the commands draw their own progress and
-summary, and the captured text is kept for the cases where pytest itself could not run the
-suite (a collection error, an internal error), so the user sees why.
+The suite runs with exactly the plugins it needs (specgate's own, pytest-xdist for ``-n``,
+junitxml): plugin auto-loading is off, so whatever else is installed (a test-order randomiser,
+a timeout plugin, syrupy) cannot change a certification run. pytest's terminal reporter is off
+too: the commands draw their own progress and summary. What pytest would have said about a
+suite it could not run (a collection error, an internal error) is kept in ``SuiteRun.problems``
+so the user still sees why.
 
 A Ctrl-C inside pytest does not propagate: pytest catches it, finishes the session (results and
-junit.xml are written for the checks that completed) and returns "interrupted" — the same exit
-code it uses for collection errors. ``InterruptWatch`` tells the two apart, and ``run_suite``
+junit.xml are written for the checks that completed) and returns "interrupted", the same exit
+code it uses for collection errors. ``SuiteWatch`` tells the two apart, and ``run_suite``
 reports a real interrupt as ``SuiteRun.interrupted``.
 """
 
@@ -16,8 +19,8 @@ import contextlib
 import io
 import json
 import os
-from dataclasses import dataclass
-from importlib.metadata import entry_points
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -39,17 +42,27 @@ class SuiteRun:
     exit_code: int
     results: dict[str, object] | None   # the plugin's results file, if pytest got that far
     interrupted: bool                   # a real Ctrl-C (SIGINT), not a collection error
-    output: str                         # pytest's own terminal output
+    problems: list[str] = field(default_factory=list)  # why pytest could not run the suite
 
 
-class InterruptWatch:
-    """A pytest plugin that notes a keyboard interrupt (pytest swallows it)."""
+class SuiteWatch:
+    """A pytest plugin that notes a keyboard interrupt (pytest swallows it) and the errors the
+    (disabled) terminal reporter would have shown."""
 
     def __init__(self) -> None:
         self.interrupted = False
+        self.problems: list[str] = []
 
     def pytest_keyboard_interrupt(self) -> None:
         self.interrupted = True
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self.problems.append(f"collecting {report.nodeid or 'the suite'}: "
+                                 f"{report.longreprtext.strip()}")
+
+    def pytest_internalerror(self, excrepr: object) -> None:
+        self.problems.append(f"pytest internal error: {excrepr}")
 
 
 def suite_dir() -> Path:
@@ -57,18 +70,17 @@ def suite_dir() -> Path:
     return Path(conformance.suites.__file__).resolve().parent
 
 
-def plugin_args() -> list[str]:
-    """Load the plugin explicitly only when no installed entry point does it already."""
-    installed = any(ep.name == "specgate" for ep in entry_points(group="pytest11"))
-    return [] if installed else ["-p", "conformance.plugin"]
+# The plugins a suite run loads, and nothing else: auto-loading is switched off.
+SUITE_PLUGINS = ("conformance.plugin", "xdist.plugin")
 
 
 def suite_args(opts: SuiteOptions, results: Path, junit: Path | None) -> list[str]:
     args = [str(suite_dir()), "-c", os.devnull, "--rootdir", str(suite_dir()),
-            "-p", "no:cacheprovider", *plugin_args(),
+            *(arg for plugin in SUITE_PLUGINS for arg in ("-p", plugin)),
+            "-p", "no:cacheprovider", "-p", "no:terminal",
             "--specgate-backend", opts.backend, "--specgate-spec", opts.spec,
             "--specgate-profile", opts.profile, "--specgate-model", opts.model,
-            "--specgate-results", str(results), "-q", "--no-header", "--tb=short",
+            "--specgate-results", str(results),
             # the plugin is imported before pytest starts, so pytest cannot rewrite its asserts
             "-W", "ignore::pytest.PytestAssertRewriteWarning",
             "-W", "ignore::DeprecationWarning"]
@@ -83,11 +95,25 @@ def suite_args(opts: SuiteOptions, results: Path, junit: Path | None) -> list[st
     return args
 
 
+@contextlib.contextmanager
+def _no_plugin_autoload() -> Iterator[None]:
+    """pytest (and the xdist workers it starts, which inherit the environment) load only the
+    plugins named with -p."""
+    before = os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"]
+        else:
+            os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = before
+
+
 def run_suite(opts: SuiteOptions, results: Path, junit: Path | None = None,
               plugins: tuple[object, ...] = ()) -> SuiteRun:
-    watch = InterruptWatch()
-    captured = io.StringIO()
-    with contextlib.redirect_stdout(captured):
+    watch = SuiteWatch()
+    with _no_plugin_autoload(), contextlib.redirect_stdout(io.StringIO()):
         code = pytest.main(suite_args(opts, results, junit), plugins=[watch, *plugins])
     loaded = json.loads(results.read_text()) if results.exists() else None
-    return SuiteRun(int(code), loaded, watch.interrupted, captured.getvalue())
+    return SuiteRun(int(code), loaded, watch.interrupted, watch.problems)

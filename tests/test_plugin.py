@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,6 @@ import pytest
 from conformance.adapter import Capabilities
 from conformance.backends.refengine import RefEngineBackend
 from conformance.registry import BackendError, load_backend
-from conformance.suite_run import plugin_args
 
 pytest_plugins = ["pytester"]
 
@@ -40,6 +40,12 @@ def run_to_completion() -> RunToCompletionOnly:
 
 
 SUITE = Path(__file__).resolve().parents[1] / "conformance" / "suites"
+
+
+def plugin_args() -> list[str]:
+    """Load the plugin explicitly only when no installed entry point does it already."""
+    installed = any(ep.name == "specgate" for ep in entry_points(group="pytest11"))
+    return [] if installed else ["-p", "conformance.plugin"]
 
 
 def run_suite(pytester: pytest.Pytester, backend: str, model: Path, *extra: str
