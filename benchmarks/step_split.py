@@ -3,7 +3,8 @@
     python benchmarks/step_split.py [--steps 3] [--draft-tokens 4] [--prompts 8]
 
 A plain engine and a chain engine (batch 1, 128 new tokens) take turns prompt by prompt. The
-worker's phases (``draft``, ``verify``, ``commit``, ``extend_input``, ``draft_extend``) and
+worker's phases (``draft``, ``verify``, ``extend_input``, ``draft_extend``), the KV manager's
+``commit_path`` and
 every target and head forward are timed in process. Figures are per verify step, except the
 per-call forward costs. ``specgate bench`` gives the phase totals; this splits them further.
 """
@@ -19,7 +20,7 @@ from typing import Any
 from conformance.bench import load_prompts
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
 
-WORKER_PHASES = ("draft", "verify", "commit", "extend_input", "draft_extend")
+WORKER_PHASES = ("draft", "verify", "commit_path", "extend_input", "draft_extend")
 
 
 def main() -> None:
@@ -55,9 +56,9 @@ def main() -> None:
     assert worker is not None
     timed(plain.model, "forward", "plain forward")
     timed(spec.model, "forward", "target forward")
-    timed(worker, "draft_model", "head forward")
+    timed(spec.runner, "draft", "head forward")
     for phase in WORKER_PHASES:
-        timed(worker, phase, phase)
+        timed(spec.kv if phase == "commit_path" else worker, phase, phase)
     params = SamplingParams(max_new_tokens=128, ignore_eos=True)
     lanes = {"plain": 0.0, "spec": 0.0}
     for prompt in prompts:

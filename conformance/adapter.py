@@ -1,4 +1,4 @@
-"""The adapter: the only surface through which the suite drives a backend (DESIGN §2.3).
+"""The adapter: the only surface through which the suite drives a backend (docs/adapter.md).
 
 A third-party backend implements ``Backend`` and ``EngineHandle`` and declares honest
 ``Capabilities``; every check gated on a capability it does not declare is reported as
@@ -37,7 +37,7 @@ class Capabilities:
     reference_draft: bool = False
     worker_hooks: bool = False
     graph_runner: bool = False
-    # Extensions beyond DESIGN §2.3 (docs/decisions.md):
+    # Extensions beyond the core adapter (docs/decisions.md):
     forced_retract: bool = False     # honours OpenConfig.retract_every (a test hook)
     kernels: bool = False            # exposes kernel_impls() for the kernel tier
 

@@ -32,7 +32,7 @@ SPECS: dict[str, SpecChoice] = {
     "eagle-tree": SpecChoice("eagle-tree", "eagle", (_eagle(3, 4, 8), _eagle(5, 8, 16)),
                              needs_tree=True),
 }
-PLANNED = ("eagle-v2", "mtp")  # named in DESIGN §2.2, not built yet
+PLANNED = ("eagle-v2", "mtp")  # named in the CLI, not built yet
 
 
 def config_id(config: SpecConfig | None) -> str:

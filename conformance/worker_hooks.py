@@ -48,9 +48,10 @@ class RefEngineWorkerHooks:
     forced: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        worker, state = self.engine.worker, self.engine.draft_state
+        worker = self.engine.worker
         if worker is None:
             raise ValueError("worker hooks need a speculative engine (spec=None given)")
+        state = worker.draft_state
         draft, verify, extend = worker.draft, worker.verify, worker.extend_input
         add, install = state.add, state.install
 

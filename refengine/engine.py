@@ -1,33 +1,38 @@
-"""Engine: the public API (add_request / step / abort / generate / memory) over the scheduler,
-the KV manager, the target model and the sampler."""
+"""Engine: the public API (add_request / step / abort / generate / memory) over five parts:
+the ``Scheduler`` (who runs), the ``KVManager`` (KV bookkeeping), the ``ModelRunner`` (every
+forward), an optional ``SpecWorker`` (a speculative algorithm) and the ``OutputProcessor``
+(tokens, finish, commit).
+
+A step is schedule -> launch -> resolve. Launch runs forwards and changes no request state;
+resolve applies the result. Variants (the bug zoo) replace a component class, never a method
+of the engine.
+"""
 
 from __future__ import annotations
 
-import time
 import zlib
-from collections import defaultdict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from tokenizers import Tokenizer
 
+from refengine.clock import PhaseClock
 from refengine.config import EngineConfig, SamplingParams
 from refengine.data import resolve_model_dir
-from refengine.events import Event, FinishEvent, RetractEvent, TokenEvent
+from refengine.events import Event, FinishEvent, RetractEvent
 from refengine.memory.manager import KVManager
 from refengine.memory.view import MemoryView, ceil_page
-from refengine.model.attention import AttentionMetadata
 from refengine.model.eagle import EagleDraftModel
-from refengine.model.llama import ForwardBatch, LlamaForCausalLM
-from refengine.request import FinishReason, Req, ReqStatus
+from refengine.model.llama import LlamaForCausalLM
+from refengine.output import OutputProcessor
+from refengine.request import FinishReason, Req
+from refengine.runner import ModelRunner
 from refengine.sampler import select_tokens
 from refengine.scheduler import ScheduledBatch, Scheduler
-from refengine.spec.draft_state import DraftState
-from refengine.spec.eagle_v1 import EagleWorker
-from refengine.spec.inputs import DraftExtendInput
-from refengine.stopping import finish_reason, stop_string_cut
+from refengine.spec.eagle_v1 import EagleV1Worker
+from refengine.spec.worker import SpecWorker
+from refengine.step import StepResult
 
 Prompt = str | Sequence[int]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,8 +52,9 @@ class Engine:
     # Component classes: the extension points a variant engine (e.g. the bug zoo) overrides.
     kv_manager_class: type[KVManager] = KVManager
     scheduler_class: type[Scheduler] = Scheduler
-    worker_class: type[EagleWorker] = EagleWorker
-    draft_state_class: type[DraftState] = DraftState
+    runner_class: type[ModelRunner] = ModelRunner
+    worker_class: type[EagleV1Worker] = EagleV1Worker
+    output_class: type[OutputProcessor] = OutputProcessor
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -71,18 +77,18 @@ class Engine:
             draft_layers=0 if draft is None else len(draft.layers),
             row_headroom=0 if spec is None else max(spec.topk * spec.num_steps,
                                                     spec.num_draft_tokens))
-        self.worker = None if spec is None or draft is None else self.worker_class(
-            spec, self.model, draft, self.kv)
-        self.draft_state = (None if self.worker is None
-                            else self.draft_state_class(self.worker.idle_input()))
-        self.decode_tokens = 1 if spec is None else max(spec.num_draft_tokens,
-                                                        spec.topk * (spec.num_steps - 1))
+        self.clock = PhaseClock()
+        self.runner = self.runner_class(self.model, draft, self.kv)
+        self.worker: SpecWorker | None = (
+            None if spec is None else self.worker_class(spec, self.runner, self.kv, self.clock))
+        self.decode_tokens = 1 if self.worker is None else self.worker.decode_tokens
         self.scheduler = self.scheduler_class(self.kv, config.max_running_requests,
                                               config.max_prefill_tokens, config.retract_every,
                                               self.decode_tokens)
-        # Wall seconds per phase (schedule, prefill, decode, draft, verify, extend), for bench.
-        self.phase_seconds: dict[str, float] = defaultdict(float)
         self._live: dict[str, Req] = {}
+        self.output = self.output_class(self.kv, self.scheduler, self.worker, self._live,
+                                        self.tokenizer.decode, self.eos_token_id,
+                                        self.max_context_len)
         self._pending: list[Event] = []
         self._arrivals = 0
         self._anonymous = 0
@@ -131,24 +137,56 @@ class Engine:
         req = self._live.get(rid)
         if req is None:
             return  # unknown or already finished: aborting is idempotent
-        self._finish(req, "abort", self._pending)
+        self.output.finish(req, "abort", self._pending)
 
     # --- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[Event]:
+        """schedule -> launch -> resolve, then the strict memory check."""
         events, self._pending = self._pending, []
-        with self._timed("schedule"):
+        with self.clock.timed("schedule"):
             batch = self.scheduler.schedule()
         if batch is not None:
             for r in batch.retracted:
                 events.append(RetractEvent(r.rid))
-                if self.draft_state is not None:
-                    self.draft_state.drop(r.rid)
+                if self.worker is not None:
+                    self.worker.drop(r.rid)
             if batch.reqs:
-                self._run(batch, events)
+                self.output.resolve(self.launch(batch), events)
         if self.config.strict_mem_check:
             self.kv.strict_check(list(self._live.values()), self.reserve_bound)
         return events
+
+    def launch(self, batch: ScheduledBatch) -> StepResult:
+        """Run the batch's forwards; request state changes only in resolve."""
+        if batch.mode == "decode" and self.worker is not None:
+            return self.worker.launch(batch.reqs)
+        with self.clock.timed(batch.mode):
+            return self._launch_extend(batch)
+
+    def _launch_extend(self, batch: ScheduledBatch) -> StepResult:
+        """A prefill (chunk) or a plain decode step: one target forward, one token sampled for
+        every request whose fill is complete."""
+        reqs, lens = batch.reqs, batch.extend_lens
+        ids: list[int] = []
+        sample_at: list[int] = []
+        sampled: list[Req] = []
+        for req, n in zip(reqs, lens, strict=True):
+            start = req.kv_committed_len
+            ids.extend(req.fill_ids[start:start + n] if batch.mode == "prefill"
+                       else req.output_ids[-1:])
+            if batch.mode == "decode" or start + n == len(req.fill_ids):
+                sample_at.append(len(ids) - 1)
+                sampled.append(req)
+        fb = self.runner.prepare_extend(reqs, lens, ids, sample_at)
+        out = self.runner.forward(fb)
+        tokens = select_tokens(out.logits, [r.params for r in sampled], [r.seed for r in sampled],
+                               [len(r.output_ids) for r in sampled])
+        by_rid = dict(zip([r.rid for r in sampled], tokens, strict=True))
+        if self.worker is not None:  # a prefill: the draft follows over the same tokens
+            self.worker.prefill(reqs, lens, fb, out.features, by_rid)
+        return StepResult(reqs, [[by_rid[r.rid]] if r.rid in by_rid else [] for r in reqs],
+                          list(lens))
 
     def has_work(self) -> bool:
         return bool(self._live) or bool(self._pending)
@@ -193,11 +231,7 @@ class Engine:
         if not self.kv.assign_row(req):
             raise RuntimeError("next_token_logits: no free request row")
         try:
-            n = len(ids)
-            fb = ForwardBatch(torch.tensor(ids), torch.arange(n), self.kv.extend(req, n),
-                              self._attention_metadata(torch.tensor([req.row]), [n], [n]),
-                              torch.tensor([n - 1]) if last_only else None)
-            return self.model(fb, self.kv.kv).logits
+            return self.runner.forward(self.runner.prepare_score(req, ids, last_only)).logits
         finally:
             self.kv.release(req)
 
@@ -206,155 +240,17 @@ class Engine:
 
     @property
     def reserve_bound(self) -> int:
-        """Plain decoding reserves nothing ahead: allocated == committed between steps."""
-        return 0
+        """How far past its committed end a request may hold KV between steps: nothing for
+        plain decoding (allocated == committed), else what the worker states."""
+        return 0 if self.worker is None else self.worker.reserve_bound
+
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        """Wall seconds per phase (schedule, prefill, decode, draft, verify, extend)."""
+        return self.clock.seconds
 
     def open_session(self, session_id: str) -> None:
         raise NotImplementedError("streaming sessions are not implemented yet")
 
     def close_session(self, session_id: str) -> None:
         raise NotImplementedError("streaming sessions are not implemented yet")
-
-    # --- internals ----------------------------------------------------------------------------
-
-    @contextmanager
-    def _timed(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.phase_seconds[phase] += time.perf_counter() - start
-
-    def _run(self, batch: ScheduledBatch, events: list[Event]) -> None:
-        if batch.mode == "decode" and self.worker is not None:
-            self._run_spec_decode(batch.reqs, events)
-            return
-        with self._timed(batch.mode):
-            self._run_forward(batch, events)
-
-    def _run_forward(self, batch: ScheduledBatch, events: list[Event]) -> None:
-        """A prefill (chunk) or a plain decode step: one target forward, one token sampled for
-        every request whose fill is complete."""
-        reqs, lens = batch.reqs, batch.extend_lens
-        ids, positions, slots, sample_at, sampled = [], [], [], [], []
-        offset = 0
-        for req, n in zip(reqs, lens, strict=True):
-            start = req.kv_committed_len
-            source = req.fill_ids if batch.mode == "prefill" else req.output_ids[-1:]
-            ids.extend(source[start:start + n] if batch.mode == "prefill" else source)
-            positions.append(torch.arange(start, start + n))
-            slots.append(self.kv.extend(req, n))
-            offset += n
-            if batch.mode == "decode" or start + n == len(req.fill_ids):
-                sample_at.append(offset - 1)
-                sampled.append(req)
-        rows = torch.tensor([r.row for r in reqs])
-        seq_lens = [r.kv_committed_len + n for r, n in zip(reqs, lens, strict=True)]
-        fb = ForwardBatch(
-            input_ids=torch.tensor(ids), positions=torch.cat(positions),
-            out_slots=torch.cat(slots),
-            attention=self._attention_metadata(rows, lens, seq_lens),
-            logits_index=torch.tensor(sample_at, dtype=torch.int64))
-        out = self.model(fb, self.kv.kv)
-        tokens = select_tokens(out.logits, [r.params for r in sampled], [r.seed for r in sampled],
-                               [len(r.output_ids) for r in sampled])
-        if self.worker is not None:  # a prefill: the draft head follows over the same tokens
-            self._draft_prefill(reqs, lens, fb, out.features, dict(zip(
-                [r.rid for r in sampled], tokens, strict=True)))
-        for req, n in zip(reqs, lens, strict=True):
-            req.kv_committed_len += n
-        for req, token in zip(sampled, tokens, strict=True):
-            req.status = ReqStatus.DECODE
-            self._emit(req, [token], events)
-
-    def _draft_prefill(self, reqs: list[Req], lens: list[int], fb: ForwardBatch,
-                       features: torch.Tensor, sampled: dict[str, int]) -> None:
-        """Pair each prefilled position p with the token after it: the next fill token, or the
-        sampled token where a request's fill ends (never the sampled token at a chunk
-        boundary: bug class "chunked prefill breaks the draft chain")."""
-        next_ids: list[int] = []
-        last_rows: list[int] = []
-        offset = 0
-        for req, n in zip(reqs, lens, strict=True):
-            start, fill = req.kv_committed_len, req.fill_ids
-            following = fill[start + 1:start + n + 1]
-            if len(following) < n:
-                following = [*following, sampled[req.rid]]
-                last_rows.append(offset + n - 1)
-            next_ids.extend(following)
-            offset += n
-        assert self.worker is not None and self.draft_state is not None
-        done = [r for r in reqs if r.rid in sampled]
-        rows = self.worker.draft_prefill(
-            fb, features, torch.tensor(next_ids), torch.tensor(last_rows, dtype=torch.int64),
-            torch.tensor([sampled[r.rid] for r in done], dtype=torch.int64))
-        self.draft_state.add([r.rid for r in done], rows)
-
-    def _run_spec_decode(self, reqs: list[Req], events: list[Event]) -> None:
-        """draft -> verify -> per-token finish checks -> commit -> draft-extend."""
-        assert self.worker is not None and self.draft_state is not None
-        with self._timed("draft"):
-            draft_input = self.draft_state.aligned([r.rid for r in reqs])
-            verify_input = self.worker.draft(reqs, draft_input)
-        with self._timed("verify"):
-            outcome = self.worker.verify(reqs, verify_input)
-            unfinished: list[int] = []
-            for i, req in enumerate(reqs):
-                self._emit(req, outcome.emitted[i], events, verify_step=True)
-                if req.status is not ReqStatus.FINISHED:
-                    self.worker.commit(req, outcome.nodes[i])
-                    unfinished.append(i)
-        with self._timed("extend"):
-            extend_input = self.worker.extend_input(outcome, unfinished)
-            self._install_draft_state([reqs[i] for i in unfinished], extend_input)
-
-    def _install_draft_state(self, reqs: list[Req], extend_input: DraftExtendInput) -> None:
-        """Seed 000: when every request finished inside verify there is nothing to extend; an
-        idle DraftInput (zero rows, right dtypes) is installed so the next merge works."""
-        assert self.worker is not None and self.draft_state is not None
-        draft_input = (self.worker.draft_extend(reqs, extend_input) if reqs
-                       else self.worker.idle_input())
-        self.draft_state.install([r.rid for r in reqs], draft_input)
-
-    def _attention_metadata(self, rows: torch.Tensor, extend_lens: list[int],
-                            seq_lens: list[int]) -> AttentionMetadata:
-        return AttentionMetadata.build(self.kv.rows.table, rows, extend_lens, seq_lens)
-
-    def _finish_reason(self, req: Req) -> FinishReason | None:
-        return finish_reason(req.params, req.output_ids, req.seq_len, self.eos_token_id,
-                             self.max_context_len, self.tokenizer.decode)
-
-    def _emit(self, req: Req, tokens: list[int], events: list[Event],
-              verify_step: bool = False) -> int:
-        """Append ``tokens`` one at a time, checking finish conditions after each: a stop
-        inside a speculative run ends it there. A verify step's kept count is recorded in
-        ``accept_lens`` before any finish, so the last verify is counted too. Returns how many
-        tokens were kept."""
-        kept: list[int] = []
-        reason = None
-        for token in tokens:
-            req.output_ids.append(token)
-            kept.append(token)
-            reason = self._finish_reason(req)
-            if reason is not None:
-                break
-        if verify_step:
-            req.accept_lens.append(len(kept))
-        events.append(TokenEvent(req.rid, tuple(kept)))
-        if reason is not None:
-            self._finish(req, reason, events)
-        return len(kept)
-
-    def _finish(self, req: Req, reason: FinishReason, events: list[Event]) -> None:
-        req.finish_reason = reason
-        self.scheduler.remove(req)
-        req.status = ReqStatus.FINISHED
-        del self._live[req.rid]
-        if self.draft_state is not None:
-            self.draft_state.drop(req.rid)
-        text = self.tokenizer.decode(req.output_ids)
-        if reason == "stop" and req.params.stop:
-            cut = stop_string_cut(text, req.params.stop)
-            text = text if cut is None else text[:cut]
-        events.append(FinishEvent(req.rid, reason, tuple(req.output_ids), text,
-                                  tuple(req.accept_lens)))

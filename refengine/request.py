@@ -39,7 +39,7 @@ class Req:
         """Tokens whose KV a (re-)prefill writes: the prompt plus any output so far.
 
         The prefill then samples the next token, which gets its KV in the following forward,
-        so afterwards ``kv_committed_len == seq_len - 1`` (DESIGN §2.1, M3). A retracted
+        so afterwards ``kv_committed_len == seq_len - 1`` (invariant M3). A retracted
         request re-prefills its output too and so resumes exactly where it stopped.
         """
         return self.prompt_ids + self.output_ids

@@ -16,17 +16,20 @@ from refengine.model.llama import ForwardBatch, ForwardOutput
 
 
 class LogitsRecorder:
-    """Stands in for ``engine.model`` and keeps a copy of every forward's output logits.
+    """Stands in for the runner's target model and keeps a copy of every forward's output
+    logits.
 
     The engine samples one token per row of ``out.logits``, in the order its TokenEvents of
     that step come out, which is how :func:`drive` ties each row to a request.
     """
 
     def __init__(self, engine: Engine) -> None:
-        self.inner = engine.model
-        self.config = self.inner.config
+        self.inner = engine.runner.target
         self.steps: list[torch.Tensor] = []
-        engine.model = self  # type: ignore[assignment]
+        engine.runner.target = self  # type: ignore[assignment]
+
+    def __getattr__(self, name: str) -> Any:  # config, lm_head, ...: the model's own
+        return getattr(self.inner, name)
 
     def __call__(self, batch: ForwardBatch, kv: KVPool) -> ForwardOutput:
         out = self.inner(batch, kv)

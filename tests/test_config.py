@@ -1,5 +1,5 @@
 """SamplingParams / SpecConfig / EngineConfig validation: a bad value raises ValueError whose
-message starts with the field's name (DESIGN §2.1)."""
+message starts with the field's name."""
 
 from __future__ import annotations
 

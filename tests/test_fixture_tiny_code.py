@@ -97,7 +97,7 @@ def test_matches_transformers_one_at_a_time(engine: Engine, prompt_ids: dict[str
             problems.append(compare(pid, run.tokens[pid], run.logits[pid], reference))
             assert idle_error(engine.memory()) is None
     finally:
-        engine.model = recorder.inner
+        engine.runner.target = recorder.inner
     assert [p for p in problems if p] == []
 
 
@@ -109,7 +109,7 @@ def test_matches_transformers_all_at_once(engine: Engine, prompt_ids: dict[str, 
             engine.add_request(pid, ids, GREEDY)
         run = drive(engine, recorder)
     finally:
-        engine.model = recorder.inner
+        engine.runner.target = recorder.inner
     assert run.retractions == 0
     problems = [compare(pid, run.tokens[pid], run.logits[pid], reference) for pid in prompt_ids]
     assert [p for p in problems if p] == []

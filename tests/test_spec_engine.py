@@ -131,7 +131,7 @@ def test_all_finish_inside_verify_then_new_arrivals(spec_pair: tuple[Path, Path]
     short = SamplingParams(max_new_tokens=2, ignore_eos=True)
     assert [o.output_ids for o in e.generate(PROMPTS[:3], short)] == [
         p[:2] for p in plain_outputs[:3]]
-    assert e.draft_state.draft_input.batch_size == 0  # idle, installed by the last verify
+    assert e.worker.draft_state.draft_input.batch_size == 0  # idle, installed by the last verify
     assert [o.output_ids for o in e.generate(PROMPTS[3:], GREEDY)] == plain_outputs[3:]
 
 
@@ -155,4 +155,4 @@ def test_draft_refuses_kv_held_past_the_committed_end(spec_pair: tuple[Path, Pat
     assert e.worker is not None
     e.kv.extend(req, 1)  # one stray slot past the committed end
     with pytest.raises(RuntimeError, match=r"\['a'\] hold KV past their committed end"):
-        e.worker.draft([req], e.draft_state.aligned(["a"]))
+        e.worker.draft([req], e.worker.draft_state.aligned(["a"]))

@@ -39,7 +39,7 @@ def test_idle_shapes_and_dtypes() -> None:
 
 
 def test_verify_input_has_no_filter_or_merge() -> None:
-    """Seed 000: only draft-phase inputs follow the batch."""
+    """All-finish-in-verify: only draft-phase inputs follow the batch."""
     assert not hasattr(VerifyInput, "merge_batch") and not hasattr(VerifyInput, "filter_batch")
 
 

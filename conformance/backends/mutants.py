@@ -1,14 +1,16 @@
 """The bug zoo: the reference engine with one real bug class planted, as a backend.
 
-Each mutant is a subclass of the engine or of one of its components (scheduler, KV manager),
-overriding a single method; nothing here is a flag in the production path. ``specgate
+Each mutant is the engine with one component class replaced (scheduler, KV manager, model
+runner, output processor, speculative worker or its draft state) by a subclass overriding a
+single method; nothing here is a flag in the production path, and no mutant overrides a method
+of the engine itself. ``specgate
 mutants`` runs the suite against every mutant, and every one must be killed by some check: a
 suite that cannot kill its mutants has no teeth. Wherever a backend is named, a mutant is
 ``mutant:<name>``.
 
-These model plain-decoding bug classes from production engines' catalogues
-(``../shared/reference``): leaked KV, leaked request rows, stale state after retraction,
-off-by-one length checks, dropped stop conditions, batch-dependent attention; and one
+These model bug classes from production engines (``docs/bug-classes.md``): leaked KV, leaked
+request rows, stale state after retraction, off-by-one length checks, dropped stop conditions,
+batch-dependent attention; and one
 speculative-sampling bug (``biased_verify_sampler``), which only shows in the distribution of
 sampled tokens and is the distribution tier's negative control. A mutant with
 ``requires_spec`` behaves exactly like the reference engine under plain decoding.
@@ -26,10 +28,12 @@ from refengine import Engine
 from refengine.events import Event, TokenEvent
 from refengine.memory.manager import KVManager
 from refengine.model.attention import AttentionMetadata
+from refengine.output import OutputProcessor
 from refengine.request import FinishReason, Req
+from refengine.runner import ModelRunner
 from refengine.scheduler import Scheduler
 from refengine.spec.draft_state import DraftState
-from refengine.spec.eagle_v1 import EagleWorker
+from refengine.spec.eagle_v1 import EagleV1Worker
 from refengine.spec.inputs import DraftExtendInput, DraftInput, VerifyInput
 from refengine.spec.verify import SampledPath, verify_tree_sampling
 from refengine.stopping import finish_reason
@@ -70,50 +74,64 @@ class AbortLeaksRow(Engine):
     scheduler_class = _AbortKeepsRow
 
 
-class _RetractKeepsCommitted(Scheduler):
-    def _retract(self, victim: Req) -> Req:
-        committed = victim.kv_committed_len
-        super()._retract(victim)
-        victim.kv_committed_len = committed  # stale: the re-prefill skips what it "has"
-        return victim
+class _ReleaseKeepsCommitted(KVManager):
+    def release(self, req: Req) -> None:
+        committed = req.kv_committed_len
+        super().release(req)
+        if req.finish_reason is None:  # a retraction (finish and abort set a reason first)
+            req.kv_committed_len = committed  # stale: the re-prefill skips what it "has"
 
 
 class RetractStaleCommitted(Engine):
     """Retraction frees the KV but leaves the committed length behind."""
 
-    scheduler_class = _RetractKeepsCommitted
+    kv_manager_class = _ReleaseKeepsCommitted
 
 
-class MaxNewTokensOffByOne(Engine):
-    """The length limit is compared with ``>`` instead of ``>=``: one token too many."""
-
-    def _finish_reason(self, req: Req) -> FinishReason | None:
-        reason = super()._finish_reason(req)
+class _LengthOffByOne(OutputProcessor):
+    def finish_reason(self, req: Req) -> FinishReason | None:
+        reason = super().finish_reason(req)
         if reason == "length" and len(req.output_ids) == req.params.max_new_tokens:
             return None
         return reason
 
 
+class MaxNewTokensOffByOne(Engine):
+    """The length limit is compared with ``>`` instead of ``>=``: one token too many."""
+
+    output_class = _LengthOffByOne
+
+
+class _DropsStopTokenIds(OutputProcessor):
+    def finish_reason(self, req: Req) -> FinishReason | None:
+        return finish_reason(replace(req.params, stop_token_ids=()), req.output_ids,
+                             req.seq_len, self.eos_token_id, self.max_context_len, self.decode)
+
+
 class IgnoresStopTokenIds(Engine):
     """``stop_token_ids`` is dropped on the way to the finish check (EOS still works)."""
 
-    def _finish_reason(self, req: Req) -> FinishReason | None:
-        return finish_reason(replace(req.params, stop_token_ids=()), req.output_ids,
-                             req.seq_len, self.eos_token_id, self.max_context_len,
-                             self.tokenizer.decode)
+    output_class = _DropsStopTokenIds
+
+
+class _LongestMaskRunner(ModelRunner):
+    def attention_metadata(self, rows: torch.Tensor, extend_lens: list[int],
+                           seq_lens: list[int], masks: list[torch.Tensor] | None = None
+                           ) -> AttentionMetadata:
+        meta = super().attention_metadata(rows, extend_lens, seq_lens, masks)
+        if masks is not None:  # speculative tree masks: this bug lives in plain batches
+            return meta
+        longest = max(seq_lens)
+        for b, n in enumerate(extend_lens):
+            meta.mask[b, 0, :n, :longest - n] = True  # every cached position "visible"
+        return meta
 
 
 class BatchLeaksAcrossRows(Engine):
     """Keys are masked by the batch's longest length instead of each request's own, so a
     short request attends to stale slots of its row: output depends on its batch-mates."""
 
-    def _attention_metadata(self, rows: torch.Tensor, extend_lens: list[int],
-                            seq_lens: list[int]) -> AttentionMetadata:
-        meta = super()._attention_metadata(rows, extend_lens, seq_lens)
-        longest = max(seq_lens)
-        for b, n in enumerate(extend_lens):
-            meta.mask[b, 0, :n, :longest - n] = True  # every cached position "visible"
-        return meta
+    runner_class = _LongestMaskRunner
 
 
 # A draft tree as the verifier saw it: (path of tokens below the root, children's tokens in
@@ -144,7 +162,7 @@ def _residual_is_p(p: torch.Tensor, rejected: list[int]) -> torch.Tensor:
     return p
 
 
-class _ResidualIsP(EagleWorker):
+class _ResidualIsP(EagleV1Worker):
     """Samples with the biased residual, and records each draft tree per root sequence in
     ``trees`` so the distribution tier can derive this mutant's exact output distribution (its
     negative-control power)."""
@@ -177,28 +195,28 @@ class BiasedVerifySampler(Engine):
 
 # --- speculative decoding (EAGLE V1) -------------------------------------------------------------
 
-class _RemembersVerifyInput(EagleWorker):
+class _LeavesVerifyInput(EagleV1Worker):
     last_verify_input: VerifyInput | None = None
 
     def draft(self, reqs: list[Req], din: DraftInput) -> VerifyInput:
         self.last_verify_input = super().draft(reqs, din)
         return self.last_verify_input
 
+    def install_next(self, reqs: list[Req], extend_input: DraftExtendInput) -> None:
+        if reqs:
+            super().install_next(reqs, extend_input)
+            return
+        self.draft_state.install([], self.last_verify_input)  # type: ignore[arg-type]
+
 
 class AllFinishLeavesVerifyInput(Engine):
-    """Seed 000: when every request finishes inside verify, the verify input stays installed
-    as the batch's spec state; the next merge finds no ``merge_batch`` and crashes."""
+    """All-finish-in-verify: when every request finishes inside verify, the verify input stays
+    installed as the batch's spec state; the next merge finds no ``merge_batch`` and crashes."""
 
-    worker_class = _RemembersVerifyInput
-
-    def _install_draft_state(self, reqs: list[Req], extend_input: DraftExtendInput) -> None:
-        if reqs:
-            super()._install_draft_state(reqs, extend_input)
-            return
-        self.draft_state.install([], self.worker.last_verify_input)  # type: ignore[arg-type]
+    worker_class = _LeavesVerifyInput
 
 
-class _ExtendPhaseConfusion(EagleWorker):
+class _ExtendPhaseConfusion(EagleV1Worker):
     def draft_extend(self, reqs: list[Req], ext: DraftExtendInput) -> DraftInput:
         din = super().draft_extend(reqs, ext)
         last = torch.cumsum(ext.accept_lens, 0) - 1
@@ -208,45 +226,48 @@ class _ExtendPhaseConfusion(EagleWorker):
 
 
 class DraftExtendPhaseConfusion(Engine):
-    """Seed 002: the draft-extend phase's per-token target features stand in for the draft's
+    """Phase confusion: the draft-extend phase's per-token target features stand in for the draft's
     predicted feature in the next draft phase. Still lossless; acceptance collapses."""
 
     worker_class = _ExtendPhaseConfusion
 
 
-class _KeepsRejectedPages(EagleWorker):
-    def commit(self, req: Req, nodes: list[int]) -> None:
-        if self.kv.page_size == 1:
-            super().commit(req, nodes)
+class _KeepsRejectedPages(KVManager):
+    def commit_path(self, req: Req, nodes: list[int]) -> None:
+        if self.page_size == 1:
+            super().commit_path(req, nodes)
             return
         allocated = req.kv_allocated_len
-        super().commit(req, nodes)
+        super().commit_path(req, nodes)
         # The paged path forgets to move the watermark: rejected slots stay reserved.
-        self.kv.extend(req, allocated - req.kv_allocated_len)
-        req.kv_allocated_len = allocated
+        self.extend(req, allocated - req.kv_allocated_len)
 
 
 class RejectedSlotsKeptPaged(Engine):
     """Rejected verify slots are not freed when page_size > 1 (the paged spec path never
     updates the allocation watermark)."""
 
-    worker_class = _KeepsRejectedPages
+    kv_manager_class = _KeepsRejectedPages
+
+
+class _ChecksRunOnce(OutputProcessor):
+    def emit(self, req: Req, tokens: list[int], events: list[Event],
+             verify_step: bool = False) -> int:
+        req.output_ids.extend(tokens)
+        if verify_step:
+            req.accept_lens.append(len(tokens))
+        events.append(TokenEvent(req.rid, tuple(tokens)))
+        reason = self.finish_reason(req)  # sees only the run's last token
+        if reason is not None:
+            self.finish(req, reason, events)
+        return len(tokens)
 
 
 class StopInsideRunIgnored(Engine):
     """Finish conditions are checked once per step, after the whole accepted run, instead of
     per token: tokens after a stop (or past max_new_tokens) inside a run are emitted."""
 
-    def _emit(self, req: Req, tokens: list[int], events: list[Event],
-              verify_step: bool = False) -> int:
-        req.output_ids.extend(tokens)
-        if verify_step:
-            req.accept_lens.append(len(tokens))
-        events.append(TokenEvent(req.rid, tuple(tokens)))
-        reason = self._finish_reason(req)  # sees only the run's last token
-        if reason is not None:
-            self._finish(req, reason, events)
-        return len(tokens)
+    output_class = _ChecksRunOnce
 
 
 class _PositionalFilter(DraftState):
@@ -255,11 +276,15 @@ class _PositionalFilter(DraftState):
             self._keep(list(range(len(self.rids) - 1)))
 
 
+class _PositionalFilterWorker(EagleV1Worker):
+    draft_state_class = _PositionalFilter
+
+
 class RetractFilterPositional(Engine):
     """A retracted request's draft row is dropped by truncating the batch (sglang's "filter
     can only filter from the back" assumption): rows after a retracted middle request shift."""
 
-    draft_state_class = _PositionalFilter
+    worker_class = _PositionalFilterWorker
 
 
 @dataclass(frozen=True)

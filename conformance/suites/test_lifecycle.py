@@ -44,7 +44,7 @@ def test_new_arrivals_after_everything_finished(sg: SuiteContext) -> None:
 
 
 def test_all_finish_in_one_step_then_new_arrivals(sg: SuiteContext) -> None:
-    """Every request finishes in the same step (seed 000: under speculation, inside one
+    """Every request finishes in the same step (all-finish-in-verify: under speculation, inside one
     verify); the engine must then take new arrivals (the next merge of spec state)."""
     first = {f"{c.id}-a": (list(c.ids), greedy(2)) for c in sg.prompts[:4]}
     second = {f"{c.id}-b": (list(c.ids), greedy(5)) for c in sg.prompts[2:6]}

@@ -2,8 +2,8 @@
 
 Through ``worker_hooks`` the suite sees what every phase produced and decides how many drafts
 each verify accepts, so the edges happen on demand: every request finishing inside one verify
-(seed 000), an idle draft state merged with a new prefill, a batch filtered to zero rows. Kinds
-and shapes follow DESIGN §3: DraftInput ``[b, k]``/``[b, H]``, VerifyInput ``[b, N]``,
+(all-finish-in-verify), an idle draft state merged with a new prefill, a batch filtered to
+zero rows. Kinds and shapes: DraftInput ``[b, k]``/``[b, H]``, VerifyInput ``[b, N]``,
 DraftExtendInput ragged ``[sum(accepted + 1), H]``.
 """
 

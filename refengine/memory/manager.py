@@ -1,9 +1,12 @@
 """KVManager: per-request KV bookkeeping over the row table, the allocator and the KV pool.
 
 A request's positions ``0 .. allocated-1`` map to slots through its row in ``req_to_token``;
-slots come in whole pages, so a request owns ``ceil_page(allocated)`` slots. The manager is the
-only code that changes ``kv_allocated_len``; the engine moves ``kv_committed_len`` once KV is
-written.
+slots come in whole pages, so a request owns ``ceil_page(allocated)`` slots.
+
+The manager is the only code that changes ``kv_allocated_len`` and ``kv_committed_len``, and
+the only code that moves KV between slots (``commit_path``); the models write the KV of the
+tokens they run, at the slots the runner hands them. Invariant kept here, between steps:
+``kv_committed_len <= kv_allocated_len``.
 """
 
 from __future__ import annotations
@@ -97,6 +100,28 @@ class KVManager:
         finally:
             for r, n in zip(reqs, allocated, strict=True):
                 r.kv_allocated_len = n
+
+    def commit(self, req: Req, new_tokens: int) -> None:
+        """The forward that just ran wrote KV for ``new_tokens`` more positions."""
+        end = req.kv_committed_len + new_tokens
+        if end > req.kv_allocated_len:
+            raise RuntimeError(f"request {req.rid!r}: committing {end} positions, only "
+                               f"{req.kv_allocated_len} allocated")
+        req.kv_committed_len = end
+
+    def commit_path(self, req: Req, nodes: list[int]) -> None:
+        """Keep a verified path: ``nodes`` are the accepted block offsets (root first) of the
+        verify block written at positions ``committed ..``; their KV moves to the contiguous
+        positions ``committed, committed + 1, ..`` (a chain's path already sits there), they
+        are committed, and the rest of the block is freed (whole pages only)."""
+        s = req.kv_committed_len
+        if nodes != list(range(len(nodes))):
+            src = self.rows.table[req.row, [s + j for j in nodes]]
+            dst = self.rows.table[req.row, s: s + len(nodes)]
+            self.kv.k[:, dst] = self.kv.k[:, src]
+            self.kv.v[:, dst] = self.kv.v[:, src]
+        self.commit(req, len(nodes))
+        self.truncate(req, req.kv_committed_len)
 
     def truncate(self, req: Req, keep_tokens: int) -> None:
         """Release reserved positions beyond ``keep_tokens`` (whole pages only)."""

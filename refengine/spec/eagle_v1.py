@@ -13,34 +13,34 @@ token, ``verified_id``) at position ``s``; its KV is written by this step's veri
 * verify: ``N`` slots per request at positions ``s .. s+N-1`` (root + drafts, positions
   ``s + depth``), one tree-masked target forward, then a greedy walk or tree speculative
   sampling per request.
-* commit (after the engine's per-token finish checks): accepted nodes' KV moves to the
-  contiguous positions ``s+1 ..``, ``committed += accepted + 1``, slots past it are freed
-  (whole pages only).
-* draft-extend: the head over the accepted positions (``f_p``, ``x_{p+1}``) writes its KV and
-  yields the next ``DraftInput``.
+* resolve (``OutputProcessor``, after the per-token finish checks): ``KVManager.commit_path``
+  moves the accepted nodes' KV to the contiguous positions ``s+1 ..``, commits them and frees
+  the slots past them (whole pages only).
+* draft-extend (``resolved``): the head over the accepted positions (``f_p``, ``x_{p+1}``)
+  writes its KV and yields the next ``DraftInput``; when every request finished inside verify,
+  an idle ``DraftInput`` is installed instead, so the next merge works.
+
+The worker owns its ``DraftState`` and runs every forward through the ``ModelRunner``.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
 
+from refengine.clock import PhaseClock
 from refengine.config import SpecConfig
-from refengine.kernels.tree_reference import (
-    build_tree_reference,
-    greedy_walk,
-    select_candidates,
-)
+from refengine.kernels.tree_reference import build_tree_reference, select_candidates
 from refengine.memory.manager import KVManager
-from refengine.model.attention import AttentionMetadata
-from refengine.model.eagle import EagleDraftModel
-from refengine.model.llama import ForwardBatch, LlamaForCausalLM
+from refengine.model.llama import ForwardBatch
 from refengine.request import Req
-from refengine.sampler import sampling_probs
+from refengine.runner import ModelRunner
+from refengine.spec.accept import accept
+from refengine.spec.draft_state import DraftState
 from refengine.spec.inputs import DraftExtendInput, DraftInput, VerifyInput
 from refengine.spec.verify import SampledPath, verify_tree_sampling
+from refengine.step import StepResult
 
 
 @dataclass
@@ -88,34 +88,96 @@ def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return top.values, top.indices
 
 
-class EagleWorker:
-    def __init__(self, spec: SpecConfig, target: LlamaForCausalLM, draft: EagleDraftModel,
-                 kv: KVManager) -> None:
+class EagleV1Worker:
+    """EAGLE V1 as a ``SpecWorker``: draft -> verify in ``launch``, draft-extend in
+    ``resolved``."""
+
+    draft_state_class: type[DraftState] = DraftState  # an extension point (the bug zoo)
+
+    def __init__(self, spec: SpecConfig, runner: ModelRunner, kv: KVManager,
+                 clock: PhaseClock) -> None:
         self.spec = spec
-        self.target = target
-        self.draft_model = draft
+        self.runner = runner
         self.kv = kv
+        self.clock = clock
         self._chain = ChainTree(spec.num_steps + 1)
+        self.draft_state = self.draft_state_class(self.idle_input())
+
+    @property
+    def decode_tokens(self) -> int:
+        return max(self.spec.num_draft_tokens, self.spec.topk * (self.spec.num_steps - 1))
+
+    @property
+    def reserve_bound(self) -> int:
+        return 0  # commit frees everything past the accepted run
 
     @property
     def hidden_size(self) -> int:
-        return self.target.config.hidden_size
+        return self.runner.target.config.hidden_size
 
     def idle_input(self) -> DraftInput:
         return DraftInput.idle(self.spec.topk, self.hidden_size,
-                               self.target.lm_head.weight.dtype)
+                               self.runner.target.lm_head.weight.dtype)
+
+    def drop(self, rid: str) -> None:
+        self.draft_state.drop(rid)
 
     # --- prefill: the draft over the prompt ---------------------------------------------------
 
-    def draft_prefill(self, fb: ForwardBatch, features: torch.Tensor, next_ids: torch.Tensor,
+    def prefill(self, reqs: list[Req], lens: list[int], batch: ForwardBatch,
+                features: torch.Tensor, sampled: dict[str, int]) -> None:
+        """Pair each prefilled position p with the token after it: the next fill token, or the
+        sampled token where a request's fill ends (never the sampled token at a chunk
+        boundary: bug class "chunked prefill breaks the draft chain"). Requests whose fill
+        completed get their draft state."""
+        next_ids: list[int] = []
+        last_rows: list[int] = []
+        offset = 0
+        for req, n in zip(reqs, lens, strict=True):
+            start, fill = req.kv_committed_len, req.fill_ids
+            following = fill[start + 1:start + n + 1]
+            if len(following) < n:
+                following = [*following, sampled[req.rid]]
+                last_rows.append(offset + n - 1)
+            next_ids.extend(following)
+            offset += n
+        done = [r for r in reqs if r.rid in sampled]
+        rows = self.draft_prefill(
+            batch, features, torch.tensor(next_ids), torch.tensor(last_rows, dtype=torch.int64),
+            torch.tensor([sampled[r.rid] for r in done], dtype=torch.int64))
+        self.draft_state.add([r.rid for r in done], rows)
+
+    def draft_prefill(self, batch: ForwardBatch, features: torch.Tensor, next_ids: torch.Tensor,
                       last_rows: torch.Tensor, roots: torch.Tensor) -> DraftInput:
         """Run the head over a target prefill batch. ``next_ids[t]`` is the token after flat
         token t (the next prompt token, or the sampled one at a prompt's end); ``last_rows`` are
         the flat rows of requests whose prompt completed (their new draft state)."""
-        draft_fb = ForwardBatch(next_ids, fb.positions, fb.out_slots, fb.attention, last_rows)
-        logits, predicted = self.draft_model(draft_fb, features, self.kv.draft_kv)
+        draft_batch = self.runner.prepare_draft_prefill(batch, next_ids, last_rows)
+        logits, predicted = self.runner.forward_draft(draft_batch, features)
         topk_p, topk_index = _topk(logits, self.spec.topk)
         return DraftInput(topk_p, topk_index, predicted, roots)
+
+    # --- the decode step ----------------------------------------------------------------------
+
+    def launch(self, reqs: list[Req]) -> StepResult:
+        with self.clock.timed("draft"):
+            verify_input = self.draft(reqs, self.draft_state.aligned([r.rid for r in reqs]))
+        with self.clock.timed("verify"):
+            outcome = self.verify(reqs, verify_input)
+        return StepResult(reqs, outcome.emitted, [], outcome)
+
+    def resolved(self, result: StepResult, kept: list[int]) -> None:
+        assert result.verify is not None
+        with self.clock.timed("extend"):
+            self.install_next([result.reqs[i] for i in kept],
+                              self.extend_input(result.verify, kept))
+
+    def install_next(self, reqs: list[Req], extend_input: DraftExtendInput) -> None:
+        """All-finish-in-verify: when every request finished inside verify there is nothing to
+        extend; an idle DraftInput (zero rows, right dtypes) is installed so the next merge
+        works."""
+        draft_input = (self.draft_extend(reqs, extend_input) if reqs else self.idle_input())
+        self.draft_state.install([r.rid for r in reqs], draft_input)
 
     # --- draft ----------------------------------------------------------------------------------
 
@@ -135,18 +197,16 @@ class EagleWorker:
         ``draft_tree`` with ``topk == 1`` (``tests/test_spec_engine.py`` checks it), without
         the beam, score and mask bookkeeping, which costs a decode step as much as a head forward.
         """
-        b, steps = len(reqs), self.spec.num_steps
+        steps = self.spec.num_steps
         seq = [r.kv_committed_len for r in reqs]
         start = torch.tensor(seq)
-        rows = torch.tensor([r.row for r in reqs])
         tokens = [din.verified_id, din.topk_index[:, 0]]
         features = din.hidden_states
         with self.kv.scratch(reqs, steps - 1) as slots:
             for i in range(1, steps):  # step i's node sits at position s + i - 1
-                meta = AttentionMetadata.build(self.kv.rows.table, rows, [1] * b,
-                                               [s + i for s in seq])
-                fb = ForwardBatch(tokens[-1], start + (i - 1), slots[:, i - 1], meta)
-                logits, features = self.draft_model(fb, features, self.kv.draft_kv)
+                fb = self.runner.prepare_draft_step(reqs, tokens[-1], start + (i - 1),
+                                                    slots[:, i - 1], 1, [s + i for s in seq])
+                logits, features = self.runner.forward_draft(fb, features)
                 # argmax of the logits: the top-1 of their softmax without computing it
                 tokens.append(torch.argmax(logits, dim=-1))
         return self._chain.verify_input(torch.stack(tokens, dim=1), start)
@@ -156,7 +216,6 @@ class EagleWorker:
         k, steps, n = self.spec.topk, self.spec.num_steps, self.spec.num_draft_tokens
         b = len(reqs)
         seq = torch.tensor([r.kv_committed_len for r in reqs])
-        rows = torch.tensor([r.row for r in reqs])
         scores = [din.topk_p]                    # candidate path scores, flat per step
         cand_tokens = [din.topk_index]
         cand_parents = [torch.full((b, k), -1, dtype=torch.int64)]
@@ -172,14 +231,12 @@ class EagleWorker:
                 node_mask = ancestors.clone()
                 node_mask[:, :, (i - 1) * k:i * k] |= own_entry
                 width = i * k
-                meta = AttentionMetadata.build(self.kv.rows.table, rows, [k] * b,
-                                               (seq + width).tolist(),
-                                               [node_mask[r, :, :width] for r in range(b)])
                 positions = (seq[:, None] + (i - 1)).expand(b, k).reshape(-1)
-                fb = ForwardBatch(beam_tokens.reshape(-1), positions,
-                                  scratch_slots[:, (i - 1) * k:i * k].reshape(-1), meta)
-                logits, predicted = self.draft_model(fb, beam_feat.reshape(b * k, -1),
-                                                     self.kv.draft_kv)
+                fb = self.runner.prepare_draft_step(
+                    reqs, beam_tokens.reshape(-1), positions,
+                    scratch_slots[:, (i - 1) * k:i * k].reshape(-1), k, (seq + width).tolist(),
+                    [node_mask[r, :, :width] for r in range(b)])
+                logits, predicted = self.runner.forward_draft(fb, beam_feat.reshape(b * k, -1))
                 child_p, child_tok = _topk(logits, k)                      # [b*k, k]
                 child_scores = beam_scores[:, :, None] * child_p.view(b, k, k)
                 child_scores = child_scores.reshape(b, k * k)
@@ -208,32 +265,11 @@ class EagleWorker:
 
     def verify(self, reqs: list[Req], vin: VerifyInput) -> VerifyOutcome:
         n = self.spec.num_draft_tokens
-        b = len(reqs)
-        rows = torch.tensor([r.row for r in reqs])
-        seq = [r.kv_committed_len for r in reqs]
-        slots = torch.stack([self.kv.extend(r, n) for r in reqs])
-        # A chain's tree mask is causal, the metadata's default.
-        meta = AttentionMetadata.build(self.kv.rows.table, rows, [n] * b, [s + n for s in seq],
-                                       None if self.spec.topk == 1 else list(vin.tree_mask))
-        fb = ForwardBatch(vin.draft_tokens.reshape(-1), vin.positions.reshape(-1),
-                          slots.reshape(-1), meta)
-        out = self.target(fb, self.kv.kv)
-        logits = out.logits.view(b, n, -1)
-        # Python lists once for the whole batch: per-element tensor reads cost an op each.
-        draft_tokens = vin.draft_tokens.tolist()
-        accept_index, accept_len, bonus = greedy_walk(
-            draft_tokens, vin.retrieve_next_token.tolist(), vin.retrieve_next_sibling.tolist(),
-            torch.argmax(logits, dim=-1).tolist(), self.spec.num_steps)
-        nodes, emitted = [], []
-        for i, req in enumerate(reqs):
-            if req.params.greedy:
-                path, last = accept_index[i][: accept_len[i] + 1], bonus[i]
-            else:
-                sampled = self.sample_path(req, vin, i, sampling_probs(logits[i], req.params))
-                path, last = sampled.nodes, sampled.bonus
-            nodes.append(path)
-            emitted.append([draft_tokens[i][j] for j in path[1:]] + [last])
-        return VerifyOutcome(nodes, emitted, out.features.view(b, n, -1), vin)
+        out = self.runner.forward(self.runner.prepare_verify(reqs, vin,
+                                                             causal=self.spec.topk == 1))
+        logits = out.logits.view(len(reqs), n, -1)
+        nodes, emitted = accept(reqs, vin, logits, self.spec.num_steps, self.sample_path)
+        return VerifyOutcome(nodes, emitted, out.features.view(len(reqs), n, -1), vin)
 
     def sample_path(self, req: Req, vin: VerifyInput, row: int, probs: torch.Tensor
                     ) -> SampledPath:
@@ -242,17 +278,6 @@ class EagleWorker:
             vin.draft_tokens[row].tolist(), vin.retrieve_next_token[row].tolist(),
             vin.retrieve_next_sibling[row].tolist(), probs, self.spec.num_steps, req.seed,
             len(req.output_ids))
-
-    def commit(self, req: Req, nodes: list[int]) -> None:
-        """Keep the accepted run's KV at positions s .. s+a and free the rest of the block."""
-        s = req.kv_committed_len
-        if nodes != list(range(len(nodes))):  # not a prefix of the block: move the path's KV
-            src = self.kv.rows.table[req.row, [s + j for j in nodes]]
-            dst = self.kv.rows.table[req.row, s: s + len(nodes)]
-            self.kv.kv.k[:, dst] = self.kv.kv.k[:, src]
-            self.kv.kv.v[:, dst] = self.kv.kv.v[:, src]
-        req.kv_committed_len = s + len(nodes)
-        self.kv.truncate(req, req.kv_committed_len)
 
     def extend_input(self, outcome: VerifyOutcome, keep: list[int]) -> DraftExtendInput:
         """Rows of the requests ``keep`` (unfinished after verify), in that order."""
@@ -268,16 +293,7 @@ class EagleWorker:
 
     def draft_extend(self, reqs: list[Req], ext: DraftExtendInput) -> DraftInput:
         """The head over each request's accepted positions (already committed)."""
-        lens = ext.accept_lens.tolist()
-        ends = [r.kv_committed_len for r in reqs]
-        rows = [r.row for r in reqs]
-        positions = torch.tensor([p for e, n in zip(ends, lens, strict=True)
-                                  for p in range(e - n, e)])
-        slots = self.kv.rows.table[torch.tensor([r for r, n in zip(rows, lens, strict=True)
-                                                 for _ in range(n)]), positions]
-        last = torch.tensor([end - 1 for end in itertools.accumulate(lens)])
-        meta = AttentionMetadata.build(self.kv.rows.table, torch.tensor(rows), lens, ends)
-        fb = ForwardBatch(ext.input_ids, positions, slots, meta, last)
-        logits, predicted = self.draft_model(fb, ext.hidden_states, self.kv.draft_kv)
+        fb = self.runner.prepare_draft_extend(reqs, ext)
+        logits, predicted = self.runner.forward_draft(fb, ext.hidden_states)
         topk_p, topk_index = _topk(logits, self.spec.topk)
-        return DraftInput(topk_p, topk_index, predicted, ext.input_ids[last])
+        return DraftInput(topk_p, topk_index, predicted, ext.input_ids[fb.logits_index])

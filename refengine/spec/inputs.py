@@ -1,5 +1,5 @@
-"""Phase-separated speculative inputs (seed 002): one type per phase, never one object whose
-fields change meaning between phases.
+"""Phase-separated speculative inputs (bug class "phase confusion", docs/bug-classes.md): one
+type per phase, never one object whose fields change meaning between phases.
 
 Shapes (``b`` requests, ``k`` = topk, ``N`` = num_draft_tokens incl. the root, ``H`` hidden):
 
@@ -9,8 +9,9 @@ Shapes (``b`` requests, ``k`` = topk, ``N`` = num_draft_tokens incl. the root, `
   ``verified_id [b] int64`` (the root: the newest emitted token, whose KV is not yet written).
   It follows the batch through ``filter_batch`` (finish, abort, retract) and ``merge_batch``
   (newly prefilled requests); every per-request tensor is filtered and merged together.
-* ``VerifyInput`` — lives inside one step only, so it has no filter/merge (seed 000: a leftover
-  VerifyInput on the batch crashed the next merge): ``draft_tokens [b, N]`` (node 0 = root),
+* ``VerifyInput`` — lives inside one step only, so it has no filter/merge (bug class
+  all-finish-in-verify: a leftover VerifyInput on the batch crashed the next merge):
+  ``draft_tokens [b, N]`` (node 0 = root),
   ``tree_mask [b, N, N]`` (node i sees itself and its ancestors), ``positions [b, N]`` (
   ``seq_len + depth``), ``parents [b, N]`` (-1 for the root), ``retrieve_index [b, N]``
   (flat row ``i * N + node``), ``retrieve_next_token [b, N]`` (first child, -1 none),

@@ -1,0 +1,89 @@
+"""OutputProcessor: resolve a launched step into request state and events.
+
+For every request of a ``StepResult``: append its tokens one at a time with a finish check after
+each (a stop inside a speculative run ends it there), commit its KV through the ``KVManager``
+(a prefill's or plain decode's positions; a verify step's accepted path), and on finish free
+what it holds and tell the worker. This is the only code that appends output tokens or
+finishes a request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from refengine.events import Event, FinishEvent, TokenEvent
+from refengine.memory.manager import KVManager
+from refengine.request import FinishReason, Req, ReqStatus
+from refengine.scheduler import Scheduler
+from refengine.spec.worker import SpecWorker
+from refengine.step import StepResult
+from refengine.stopping import finish_reason, stop_string_cut
+
+
+class OutputProcessor:
+    def __init__(self, kv: KVManager, scheduler: Scheduler, worker: SpecWorker | None,
+                 live: dict[str, Req], decode: Callable[[list[int]], str], eos_token_id: int,
+                 max_context_len: int) -> None:
+        self.kv = kv
+        self.scheduler = scheduler
+        self.worker = worker
+        self.live = live
+        self.decode = decode
+        self.eos_token_id = eos_token_id
+        self.max_context_len = max_context_len
+
+    def resolve(self, result: StepResult, events: list[Event]) -> None:
+        if result.verify is None:
+            for req, n in zip(result.reqs, result.written, strict=True):
+                self.kv.commit(req, n)
+            for req, tokens in zip(result.reqs, result.tokens, strict=True):
+                if tokens:
+                    req.status = ReqStatus.DECODE
+                    self.emit(req, tokens, events)
+            return
+        assert self.worker is not None
+        kept: list[int] = []
+        for i, req in enumerate(result.reqs):
+            self.emit(req, result.tokens[i], events, verify_step=True)
+            if req.status is not ReqStatus.FINISHED:
+                self.kv.commit_path(req, result.verify.nodes[i])
+                kept.append(i)
+        self.worker.resolved(result, kept)
+
+    def finish_reason(self, req: Req) -> FinishReason | None:
+        return finish_reason(req.params, req.output_ids, req.seq_len, self.eos_token_id,
+                             self.max_context_len, self.decode)
+
+    def emit(self, req: Req, tokens: list[int], events: list[Event],
+             verify_step: bool = False) -> int:
+        """Append ``tokens`` one at a time, checking finish conditions after each. A verify
+        step's kept count is recorded in ``accept_lens`` before any finish, so the last verify
+        is counted too. Returns how many tokens were kept."""
+        kept: list[int] = []
+        reason = None
+        for token in tokens:
+            req.output_ids.append(token)
+            kept.append(token)
+            reason = self.finish_reason(req)
+            if reason is not None:
+                break
+        if verify_step:
+            req.accept_lens.append(len(kept))
+        events.append(TokenEvent(req.rid, tuple(kept)))
+        if reason is not None:
+            self.finish(req, reason, events)
+        return len(kept)
+
+    def finish(self, req: Req, reason: FinishReason, events: list[Event]) -> None:
+        req.finish_reason = reason
+        self.scheduler.remove(req)
+        req.status = ReqStatus.FINISHED
+        del self.live[req.rid]
+        if self.worker is not None:
+            self.worker.drop(req.rid)
+        text = self.decode(req.output_ids)
+        if reason == "stop" and req.params.stop:
+            cut = stop_string_cut(text, req.params.stop)
+            text = text if cut is None else text[:cut]
+        events.append(FinishEvent(req.rid, reason, tuple(req.output_ids), text,
+                                  tuple(req.accept_lens)))

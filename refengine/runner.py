@@ -1,0 +1,113 @@
+"""ModelRunner: the only code that builds a ``ForwardBatch`` or ``AttentionMetadata`` and the
+only caller of the target and draft models.
+
+Callers say *what* runs (which requests, which tokens at which positions, which KV slots); the
+runner says *how*: flat batches in request order, attention metadata over the row table, which
+rows' logits are wanted. A graph-captured executor wraps this class, so everything a forward
+needs passes through it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from refengine.memory.manager import KVManager
+from refengine.model.attention import AttentionMetadata
+from refengine.model.eagle import EagleDraftModel
+from refengine.model.llama import ForwardBatch, ForwardOutput, LlamaForCausalLM
+from refengine.request import Req
+from refengine.spec.inputs import DraftExtendInput, VerifyInput
+
+
+class ModelRunner:
+    def __init__(self, target: LlamaForCausalLM, draft: EagleDraftModel | None,
+                 kv: KVManager) -> None:
+        self.target = target
+        self.draft = draft
+        self.kv = kv
+
+    def attention_metadata(self, rows: torch.Tensor, extend_lens: list[int],
+                           seq_lens: list[int], masks: list[torch.Tensor] | None = None
+                           ) -> AttentionMetadata:
+        return AttentionMetadata.build(self.kv.rows.table, rows, extend_lens, seq_lens, masks)
+
+    def _rows(self, reqs: list[Req]) -> torch.Tensor:
+        return torch.tensor([r.row for r in reqs])
+
+    # --- target ---------------------------------------------------------------------------
+
+    def prepare_extend(self, reqs: list[Req], lens: list[int], ids: list[int],
+                       sample_at: list[int]) -> ForwardBatch:
+        """A prefill chunk or a plain decode step: request i runs its next ``lens[i]`` tokens
+        (its slice of ``ids``) from its committed end; logits are wanted at the flat rows
+        ``sample_at``."""
+        starts = [r.kv_committed_len for r in reqs]
+        slots = [self.kv.extend(r, n) for r, n in zip(reqs, lens, strict=True)]
+        return ForwardBatch(
+            input_ids=torch.tensor(ids),
+            positions=torch.cat([torch.arange(s, s + n)
+                                 for s, n in zip(starts, lens, strict=True)]),
+            out_slots=torch.cat(slots),
+            attention=self.attention_metadata(self._rows(reqs), lens,
+                                              [s + n for s, n in zip(starts, lens, strict=True)]),
+            logits_index=torch.tensor(sample_at, dtype=torch.int64))
+
+    def prepare_score(self, req: Req, ids: list[int], last_only: bool) -> ForwardBatch:
+        """A whole prompt for a request that holds a row and nothing else (scoring)."""
+        n = len(ids)
+        return ForwardBatch(torch.tensor(ids), torch.arange(n), self.kv.extend(req, n),
+                            self.attention_metadata(self._rows([req]), [n], [n]),
+                            torch.tensor([n - 1]) if last_only else None)
+
+    def prepare_verify(self, reqs: list[Req], vin: VerifyInput, causal: bool) -> ForwardBatch:
+        """The verify block: ``N`` slots per request past its committed end, positions
+        ``committed + depth``; a chain's tree mask is causal, the metadata's default."""
+        b, n = vin.draft_tokens.shape
+        seq = [r.kv_committed_len for r in reqs]
+        slots = torch.stack([self.kv.extend(r, n) for r in reqs])
+        meta = self.attention_metadata(self._rows(reqs), [n] * b, [s + n for s in seq],
+                                       None if causal else list(vin.tree_mask))
+        return ForwardBatch(vin.draft_tokens.reshape(-1), vin.positions.reshape(-1),
+                            slots.reshape(-1), meta)
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        return self.target(batch, self.kv.kv)
+
+    # --- draft ----------------------------------------------------------------------------
+
+    def prepare_draft_prefill(self, target_batch: ForwardBatch, next_ids: torch.Tensor,
+                              last_rows: torch.Tensor) -> ForwardBatch:
+        """The head over a target prefill batch: same positions, slots and attention, each
+        position paired with the token after it; ``last_rows`` are the rows to predict from."""
+        return ForwardBatch(next_ids, target_batch.positions, target_batch.out_slots,
+                            target_batch.attention, last_rows)
+
+    def prepare_draft_step(self, reqs: list[Req], tokens: torch.Tensor, positions: torch.Tensor,
+                           slots: torch.Tensor, width: int, seen: list[int],
+                           masks: list[torch.Tensor] | None = None) -> ForwardBatch:
+        """One drafting forward: ``width`` nodes per request, attending to ``seen[i]`` KV
+        positions (the committed prefix and the draft's scratch so far); ``masks`` restrict
+        the scratch part to each node's ancestors (None: causal)."""
+        meta = self.attention_metadata(self._rows(reqs), [width] * len(reqs), seen, masks)
+        return ForwardBatch(tokens, positions, slots, meta)
+
+    def prepare_draft_extend(self, reqs: list[Req], ext: DraftExtendInput) -> ForwardBatch:
+        """The head over each request's accepted positions, which end at its committed end."""
+        lens = ext.accept_lens.tolist()
+        ends = [r.kv_committed_len for r in reqs]
+        rows = [r.row for r in reqs]
+        positions = torch.tensor([p for e, n in zip(ends, lens, strict=True)
+                                  for p in range(e - n, e)])
+        slots = self.kv.rows.table[torch.tensor([r for r, n in zip(rows, lens, strict=True)
+                                                 for _ in range(n)]), positions]
+        last = torch.tensor([end - 1 for end in itertools.accumulate(lens)])
+        meta = self.attention_metadata(torch.tensor(rows), lens, ends)
+        return ForwardBatch(ext.input_ids, positions, slots, meta, last)
+
+    def forward_draft(self, batch: ForwardBatch, features: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits of the wanted rows, the head's predicted features)."""
+        assert self.draft is not None and self.kv.draft_kv is not None
+        return self.draft(batch, features, self.kv.draft_kv)

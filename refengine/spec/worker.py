@@ -1,0 +1,43 @@
+"""SpecWorker: what the engine needs from a speculative algorithm, and nothing more.
+
+The engine schedules, launches and resolves; a worker owns everything specific to its
+algorithm: its draft state between steps (which follows the batch through finish, abort and
+retraction), how many KV slots a decode step needs per request, what it does after a target
+prefill, and the decode step itself. It runs forwards only through the ``ModelRunner`` and
+never writes request KV bookkeeping: ``OutputProcessor.resolve`` commits through the
+``KVManager``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from refengine.model.llama import ForwardBatch
+from refengine.request import Req
+from refengine.step import StepResult
+
+
+class SpecWorker(Protocol):
+    @property
+    def decode_tokens(self) -> int:
+        """KV slots a decode step needs per request (verify block or draft scratch)."""
+
+    @property
+    def reserve_bound(self) -> int:
+        """How far past its committed end a request may hold KV between steps."""
+
+    def prefill(self, reqs: list[Req], lens: list[int], batch: ForwardBatch,
+                features: torch.Tensor, sampled: dict[str, int]) -> None:
+        """After a target prefill (before its KV is committed): ``sampled`` maps the requests
+        whose fill completed to the token just sampled for them."""
+
+    def launch(self, reqs: list[Req]) -> StepResult:
+        """One speculative decode step's forwards; nothing about the requests changes."""
+
+    def resolved(self, result: StepResult, kept: list[int]) -> None:
+        """After resolve: ``kept`` indexes the requests of ``result`` still running."""
+
+    def drop(self, rid: str) -> None:
+        """A request finished, was aborted or retracted: forget its draft state."""

@@ -1,0 +1,29 @@
+"""StepResult: what one launched step produced, handed to ``OutputProcessor.resolve``.
+
+Launch runs the forwards; resolve changes request state (tokens, finish, KV commit). Keeping
+the two apart is what lets a step be resolved after the next one was launched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from refengine.request import Req
+
+if TYPE_CHECKING:
+    from refengine.spec.eagle_v1 import VerifyOutcome
+
+
+@dataclass
+class StepResult:
+    """Per request of the batch, in batch order."""
+
+    reqs: list[Req]
+    tokens: list[list[int]]     # tokens to append, in order ([]: a prefill chunk mid-prompt)
+    written: list[int]          # KV positions this step's forward wrote (extend steps)
+    verify: VerifyOutcome | None = None  # a verify step: accepted paths, for commit and extend
+
+    @property
+    def is_verify(self) -> bool:
+        return self.verify is not None
