@@ -71,7 +71,11 @@ def _environment() -> dict[str, str]:
 
 
 def _not_run(rows: list[dict[str, object]]) -> dict[str, int]:
-    reasons = Counter(f"{r['outcome']}: {str(r['message']).removeprefix('Skipped: ')}"
+    """"outcome: reason" -> how many checks, for the checks that did not run."""
+    def why(row: dict[str, object]) -> str:
+        message = str(row["message"]).removeprefix("Skipped: ")
+        return message.removeprefix(f"{row['outcome']}: ")  # "not claimed: x" says it already
+    reasons = Counter(f"{r['outcome']}: {why(r)}"
                       for r in rows if r["outcome"] in ("skipped", "not claimed"))
     return dict(sorted(reasons.items()))
 

@@ -182,6 +182,16 @@ class _ResidualIsP(EagleV1Worker):
                                     req.seed, len(req.output_ids), residual=_residual_is_p)
 
 
+def verified_draft_trees(handle: object) -> dict[tuple[int, ...], Counter[DraftTree]]:
+    """The draft trees a ``biased_verify_sampler`` handle verified, per root sequence: what the
+    distribution tier needs to derive this negative control's exact output law. Asked of the
+    mutant that recorded them, so the suite never reaches into a handle itself."""
+    worker = getattr(getattr(handle, "engine", None), "worker", None)
+    if not isinstance(worker, _ResidualIsP):
+        raise TypeError("verified_draft_trees: not a biased_verify_sampler handle")
+    return worker.trees
+
+
 class BiasedVerifySampler(Engine):
     """Speculative sampling draws the bonus after a rejection from the target distribution
     itself instead of the residual without the rejected drafts: draft tokens are over-weighted.

@@ -46,7 +46,7 @@ import torch
 
 from conformance import stats
 from conformance.adapter import Backend, OpenConfig, SamplingParams, SpecConfig
-from conformance.backends.mutants import mutant_backend
+from conformance.backends.mutants import mutant_backend, verified_draft_trees
 from conformance.distribution import (
     JointLaw,
     Trees,
@@ -207,7 +207,7 @@ def control_spec(sg: SuiteContext, request: pytest.FixtureRequest) -> SpecConfig
     and no test could have power. Under ``none`` the draft is ``--specgate-draft-model`` or
     the bundled head, which fits the bundled target only."""
     chain = SPECS["eagle"].configs[0]
-    assert chain is not None
+    assert chain is not None, "the eagle spec's first configuration is the chain"
     spec = sg.spec.configs[0]
     draft = spec.draft_model if spec is not None else request.config.getoption(
         "--specgate-draft-model")
@@ -226,8 +226,8 @@ def test_negative_control_is_rejected(sg: SuiteContext, law: JointLaw,
     spec = control_spec(sg, request)
     trees: Trees = {}
 
-    def grab_trees(handle: object) -> None:  # the reference engine's mutant records them
-        trees.update(handle.engine.worker.trees)  # type: ignore[attr-defined]
+    def grab_trees(handle: object) -> None:  # the control mutant records them
+        trees.update(verified_draft_trees(handle))
 
     run = sample(mutant_backend(NEGATIVE_CONTROL), sg, spec, law.prompt, grab_trees)
     result = check(law, run)

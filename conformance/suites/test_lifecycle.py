@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from conformance.driver import Driver
 from conformance.plugin import SuiteContext
 from conformance.suites.support import assert_matches_oracle, greedy, open_driver, run_all
 
@@ -13,6 +14,26 @@ pytestmark = pytest.mark.specgate_tier("lifecycle")
 
 def _longest(sg: SuiteContext) -> list[int]:
     return list(max(sg.prompts, key=lambda c: len(c.ids)).ids)
+
+
+def _assert_phase(driver: Driver, phase: str) -> None:
+    """The abort case is only meaningful if the victim really is in ``phase`` when aborted:
+    what it streamed says whether it decodes, and the memory view (if claimed) whether it
+    holds KV and in which phase."""
+    where = f"step {driver.steps}, before aborting the victim"
+    streamed = len(driver.streamed["victim"])
+    assert (streamed > 0) == (phase == "decoding"), (
+        f"{where}: meant to be {phase}, but it streamed {streamed} tokens")
+    if not driver.caps.memory_view:
+        return
+    held = driver.handle.memory().requests.get("victim")
+    if phase == "queued":
+        assert held is None or held.allocated == 0, (
+            f"{where}: meant to be queued, but it holds KV {held}")
+    else:
+        assert held is not None and held.phase == ("prefill" if phase == "prefilling"
+                                                   else "decode"), (
+            f"{where}: meant to be {phase}, but its KV is {held}")
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3])
@@ -38,7 +59,7 @@ def test_new_arrivals_after_everything_finished(sg: SuiteContext) -> None:
     second = {f"{c.id}-again": (list(c.ids), greedy(9)) for c in sg.prompts[2:5]}
     with open_driver(sg) as driver:
         outcomes = run_all(driver, first)
-        assert not driver.live
+        assert not driver.live, f"step {driver.steps}: still live after run_all: {driver.live}"
         outcomes.update(run_all(driver, second))
     assert_matches_oracle(sg, outcomes, {**first, **second})
 
@@ -79,7 +100,9 @@ def test_retract_middle_request(sg: SuiteContext) -> None:
     requests = {c.id: (list(c.ids), greedy(20)) for c in sg.prompts[:3]}
     with open_driver(sg, retract_every=2) as driver:
         outcomes = run_all(driver, requests)
-        assert driver.retractions > 0
+        assert driver.retractions > 0, (
+            f"retract_every=2 retracted nothing in {driver.steps} steps: the backend claims "
+            "forced_retract, and this case checked no resumption")
     assert_matches_oracle(sg, outcomes, requests)
 
 
@@ -115,9 +138,12 @@ def test_abort(sg: SuiteContext, phase: str) -> None:
             driver.step_until(lambda: bool(driver.streamed["victim"]), 1000,
                               lambda: "the victim streamed no token")
             driver.step()
+        _assert_phase(driver, phase)
         driver.abort("victim")
         outcomes = driver.run(10_000)
-    assert outcomes["victim"].reason == "abort", outcomes["victim"]
+    assert outcomes["victim"].reason == "abort", (
+        f"victim aborted while {phase} finished with {outcomes['victim'].reason!r} after "
+        f"{len(outcomes['victim'].output_ids)} tokens")
     streamed = driver.streamed["victim"]
     want = sg.oracle.greedy(tuple(victim), greedy(24))
     assert streamed == want[:len(streamed)], "tokens streamed before the abort were wrong"

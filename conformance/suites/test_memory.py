@@ -41,6 +41,9 @@ def _load_mix(sg: SuiteContext, seed: int, abort_fraction: float, page_size: int
             assert driver.steps < 20_000, "no progress under memory pressure"
         record_property("retractions", driver.retractions)
         record_property("steps", driver.steps)
+        assert driver.retractions > 0, (
+            f"a {pool}-token pool for {len(requests)} requests needing {sum(need)} tokens "
+            f"forced no retraction in {driver.steps} steps: nothing was checked under pressure")
     survivors = {rid: r for rid, r in requests.items()
                  if driver.outcomes[rid].reason != "abort"}
     aborted = [rid for rid, o in driver.outcomes.items() if o.reason == "abort"]
