@@ -114,8 +114,14 @@ def lanes_for(spec: str, backends: list[str]) -> list[Lane]:
     if spec not in SPECS:
         raise ValueError(f"--spec: {spec!r} not supported by bench (supported: "
                          f"{', '.join(SPECS)})")
-    return [Lane("plain", backends[0], None),
-            *(Lane(config_id(c), backends[0], c) for c in SPECS[spec].configs)]
+    lanes = [Lane("plain", backends[0], None)]
+    for c in SPECS[spec].configs:
+        assert c is not None
+        if c.overlap:  # overlap scheduling is judged beside its sequential twin
+            twin = replace(c, overlap=False)
+            lanes.append(Lane(config_id(twin), backends[0], twin))
+        lanes.append(Lane(config_id(c), backends[0], c))
+    return lanes
 
 
 def _run_batch(handle: EngineHandle, prompts: list[tuple[int, ...]], max_new_tokens: int,

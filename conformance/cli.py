@@ -225,9 +225,9 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     rows = []
     with Steps("mutants", len(names)) as steps:
         for name in names:
-            # A speculative mutant is only visible under speculation: by default it runs with
-            # the chain spec, a plain one with none; --spec forces one spec for all.
-            spec = args.spec or ("eagle" if MUTANTS[name].requires_spec else "none")
+            # A mutant runs under the spec where its bug is visible (a plain one under none, a
+            # speculative one under eagle or eagle-v2); --spec forces one spec for all.
+            spec = args.spec or MUTANTS[name].spec
             steps.start(f"{name} (spec {spec})")
             opts = SuiteOptions(f"mutant:{name}", spec, args.profile, args.model,
                                 args.draft_model, stop_at_first_failure=True)
@@ -273,9 +273,12 @@ def _golden_configs(spec: str) -> list[SpecConfig]:
         choices = resolve_specs(spec)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    configs = [c for choice in choices for c in choice.configs if c is not None]
+    # Overlap configurations are held to their sequential twins' traces (golden_path).
+    configs = [c for choice in choices for c in choice.configs
+               if c is not None and not c.overlap]
     if not configs:
-        raise UsageError(f"--spec {spec}: plain decoding has no acceptance traces")
+        raise UsageError(f"--spec {spec}: has no acceptance traces of its own (plain decoding "
+                         "has none; overlap configurations use their sequential twins')")
     return configs
 
 
@@ -398,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="entry-point name (refengine, hf), mutant:NAME or module:factory; "
                               "the default comes from $SPECGATE_BACKEND if set")
     certify.add_argument("--spec", default="none",
-                         help="none | eagle | eagle-tree | all (one certificate per spec)")
+                         help="none | eagle | eagle-tree | eagle-v2 | all (one certificate per "
+                              "spec)")
     certify.add_argument("--profile", default="gate", choices=["gate", "full"],
                          help="gate: small prompt set, 32 tokens; full: default set, 64 tokens")
     certify.add_argument("--report", default="specgate-report",
@@ -424,8 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     mutants = sub.add_parser("mutants", formatter_class=fmt, help="run the suite against every "
                              "bug-zoo mutant; exit 1 if any survives")
     mutants.add_argument("--spec", default=None,
-                         help="force one spec for every mutant (unset: eagle for speculative "
-                              "mutants, none for plain ones)")
+                         help="force one spec for every mutant (unset: each mutant's own, "
+                              "where its bug is visible)")
     mutants.add_argument("--draft-model", default=None, help=argparse.SUPPRESS)
     mutants.add_argument("--profile", default="gate", choices=["gate", "full"],
                          help="as for certify")
@@ -439,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--backends", default=None,
                        help="comma-separated (unset: refengine,hf for --spec none; refengine "
                             "otherwise, compared with its own plain decoding)")
-    bench.add_argument("--spec", default="none", help="none | eagle | eagle-tree")
+    bench.add_argument("--spec", default="none",
+                       help="none | eagle | eagle-tree | eagle-v2 (beside its V1 twins)")
     bench.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=64,
                        help="tokens per request")

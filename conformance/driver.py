@@ -37,6 +37,7 @@ class Outcome:
 class Driver:
     handle: EngineHandle
     caps: Capabilities
+    overlap: bool = False   # the handle runs overlap scheduling (M3 allows the pre-claimed slot)
     steps: int = 0
     retractions: int = 0
     prompt_lens: dict[str, int] = field(default_factory=dict)
@@ -63,7 +64,7 @@ class Driver:
             view = self.handle.memory()
             if self.live:
                 check_busy(view, self.prompt_lens,
-                           {r: len(t) for r, t in self.streamed.items()}, where)
+                           {r: len(t) for r, t in self.streamed.items()}, where, self.overlap)
             else:
                 check_idle(view, f"{where} (idle)")
         return events

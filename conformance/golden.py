@@ -14,7 +14,7 @@ own tests compare exactly (syrupy, ``GoldenExtension``); other backends that cla
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from conformance.prompts import load_prompt_set
@@ -104,7 +104,10 @@ def record(config: SpecConfig, prompt_set: str, model: str = "tiny-code",
 
 
 def golden_path(config: SpecConfig, prompt_set: str, root: Path | None = None) -> Path:
-    return (root or golden_root()) / config_id(config) / f"{prompt_set}.json"
+    """Overlap scheduling changes when a step's result is applied, not what is drafted or
+    accepted: an overlap configuration is held to its sequential twin's trace."""
+    twin = replace(config, overlap=False)
+    return (root or golden_root()) / config_id(twin) / f"{prompt_set}.json"
 
 
 def load(config: SpecConfig, prompt_set: str) -> GoldenTrace:

@@ -129,7 +129,8 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
 
 
 def _requirements(item: pytest.Item, spec: SpecChoice) -> list[str]:
-    needs = [f"algorithm:{spec.algorithm}"] + (["tree"] if spec.needs_tree else [])
+    needs = ([f"algorithm:{spec.algorithm}"] + (["tree"] if spec.needs_tree else [])
+             + (["overlap"] if spec.needs_overlap else []))
     for mark in item.iter_markers("specgate_requires"):
         needs.extend(mark.args)
     return needs

@@ -13,15 +13,16 @@ class SpecChoice:
     algorithm: str              # the capability a backend must claim ("none", "eagle", ...)
     configs: tuple[SpecConfig | None, ...]
     needs_tree: bool = False
+    needs_overlap: bool = False
 
     def with_draft_model(self, draft_model: str) -> SpecChoice:
         return replace(self, configs=tuple(
             c if c is None else replace(c, draft_model=draft_model) for c in self.configs))
 
 
-def _eagle(steps: int, topk: int, tokens: int) -> SpecConfig:
+def _eagle(steps: int, topk: int, tokens: int, overlap: bool = False) -> SpecConfig:
     return SpecConfig(algorithm="eagle", draft_model="tiny-code-eagle", num_steps=steps,
-                      topk=topk, num_draft_tokens=tokens)
+                      topk=topk, num_draft_tokens=tokens, overlap=overlap)
 
 
 SPECS: dict[str, SpecChoice] = {
@@ -31,17 +32,23 @@ SPECS: dict[str, SpecChoice] = {
     "eagle": SpecChoice("eagle", "eagle", (_eagle(3, 1, 4), _eagle(5, 1, 6))),
     "eagle-tree": SpecChoice("eagle-tree", "eagle", (_eagle(3, 4, 8), _eagle(5, 8, 16)),
                              needs_tree=True),
+    # EAGLE V2: overlap scheduling, a chain and a tree (its trees need the tree capability).
+    "eagle-v2": SpecChoice("eagle-v2", "eagle", (_eagle(3, 1, 4, overlap=True),
+                                                 _eagle(3, 4, 8, overlap=True)),
+                           needs_tree=True, needs_overlap=True),
 }
-PLANNED = ("eagle-v2", "mtp")  # named in the CLI, not built yet
+PLANNED = ("mtp",)  # named in the CLI, not built yet
 
 
 def config_id(config: SpecConfig | None) -> str:
-    """A short stable name for a configuration: ``plain``, ``chain-s3-n4``, ``tree-s3-k4-n8``."""
+    """A short stable name for a configuration: ``plain``, ``chain-s3-n4``, ``tree-s3-k4-n8``,
+    with ``-v2`` for overlap scheduling."""
     if config is None:
         return "plain"
+    v2 = "-v2" if config.overlap else ""
     if config.topk == 1:
-        return f"chain-s{config.num_steps}-n{config.num_draft_tokens}"
-    return f"tree-s{config.num_steps}-k{config.topk}-n{config.num_draft_tokens}"
+        return f"chain-s{config.num_steps}-n{config.num_draft_tokens}{v2}"
+    return f"tree-s{config.num_steps}-k{config.topk}-n{config.num_draft_tokens}{v2}"
 
 
 def resolve_specs(name: str) -> list[SpecChoice]:

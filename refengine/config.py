@@ -161,5 +161,3 @@ class EngineConfig:
         if self.spec is not None:
             _require(self.spec.algorithm == "eagle", "spec",
                      f"algorithm {self.spec.algorithm!r} is not implemented yet (eagle is)")
-            _require(not self.spec.overlap, "spec",
-                     "overlap scheduling (EAGLE V2) is not implemented yet; use overlap=False")

@@ -31,6 +31,7 @@ from refengine.runner import ModelRunner
 from refengine.sampler import select_tokens
 from refengine.scheduler import ScheduledBatch, Scheduler
 from refengine.spec.eagle_v1 import EagleV1Worker
+from refengine.spec.eagle_v2 import EagleV2Worker, reserve_tokens
 from refengine.spec.worker import SpecWorker
 from refengine.step import StepResult
 
@@ -54,6 +55,7 @@ class Engine:
     scheduler_class: type[Scheduler] = Scheduler
     runner_class: type[ModelRunner] = ModelRunner
     worker_class: type[EagleV1Worker] = EagleV1Worker
+    overlap_worker_class: type[EagleV2Worker] = EagleV2Worker  # SpecConfig(overlap=True)
     output_class: type[OutputProcessor] = OutputProcessor
 
     def __init__(self, config: EngineConfig) -> None:
@@ -75,21 +77,26 @@ class Engine:
             self.max_context_len, (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim),
             _DTYPES[config.dtype], config.device,
             draft_layers=0 if draft is None else len(draft.layers),
-            row_headroom=0 if spec is None else max(spec.topk * spec.num_steps,
-                                                    spec.num_draft_tokens))
+            row_headroom=0 if spec is None else (
+                1 + reserve_tokens(spec) + config.page_size if spec.overlap
+                else max(spec.topk * spec.num_steps, spec.num_draft_tokens)))
         self.clock = PhaseClock()
         self.runner = self.runner_class(self.model, draft, self.kv)
-        self.worker: SpecWorker | None = (
-            None if spec is None else self.worker_class(spec, self.runner, self.kv, self.clock))
-        self.decode_tokens = 1 if self.worker is None else self.worker.decode_tokens
-        self.scheduler = self.scheduler_class(self.kv, config.max_running_requests,
-                                              config.max_prefill_tokens, config.retract_every,
-                                              self.decode_tokens)
+        self.worker: SpecWorker | None = None
+        if spec is not None:
+            worker_class = self.overlap_worker_class if spec.overlap else self.worker_class
+            self.worker = worker_class(spec, self.runner, self.kv, self.clock)
+        self.lookahead = 1 if self.worker is None else self.worker.lookahead
+        self.scheduler = self.scheduler_class(
+            self.kv, config.max_running_requests, config.max_prefill_tokens,
+            config.retract_every, (lambda req: 1) if self.worker is None
+            else self.worker.decode_need)
         self._live: dict[str, Req] = {}
         self.output = self.output_class(self.kv, self.scheduler, self.worker, self._live,
                                         self.tokenizer.decode, self.eos_token_id,
                                         self.max_context_len)
         self._pending: list[Event] = []
+        self._in_flight: StepResult | None = None  # overlap: launched, resolved next step
         self._arrivals = 0
         self._anonymous = 0
 
@@ -120,7 +127,7 @@ class Engine:
             raise ValueError(f"prompt: {len(ids)} tokens exceed the context length "
                              f"{self.max_context_len} (room for at least one new token needed)")
         need = ceil_page(min(len(ids) + params.max_new_tokens, self.max_context_len)
-                         + self.decode_tokens, self.kv.page_size)
+                         + self.lookahead, self.kv.page_size)
         if need > self.kv.capacity:
             raise ValueError(f"kv_pool_tokens: request {rid!r} needs up to {need} KV slots "
                              f"(prompt {len(ids)} + max_new_tokens {params.max_new_tokens}) but "
@@ -142,17 +149,30 @@ class Engine:
     # --- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[Event]:
-        """schedule -> launch -> resolve, then the strict memory check."""
+        """schedule -> launch -> resolve, then the strict memory check. Under overlap
+        scheduling a decode step is resolved one engine step later, after the next step was
+        scheduled and launched; everything else is resolved at once, oldest first."""
         events, self._pending = self._pending, []
+        launched = None
         with self.clock.timed("schedule"):
             batch = self.scheduler.schedule()
+            if (batch is not None and batch.mode == "decode" and batch.reqs
+                    and self.worker is not None):
+                self.worker.prepare_for_decode(batch.reqs)
         if batch is not None:
             for r in batch.retracted:
                 events.append(RetractEvent(r.rid))
                 if self.worker is not None:
                     self.worker.drop(r.rid)
             if batch.reqs:
-                self.output.resolve(self.launch(batch), events)
+                launched = self.launch(batch)
+        if self._in_flight is not None:
+            self.output.resolve(self._in_flight, events)
+            self._in_flight = None
+        if launched is not None and launched.overlap:
+            self._in_flight = launched
+        elif launched is not None:
+            self.output.resolve(launched, events)
         if self.config.strict_mem_check:
             self.kv.strict_check(list(self._live.values()), self.reserve_bound)
         return events

@@ -2,9 +2,11 @@
 
 For every request of a ``StepResult``: append its tokens one at a time with a finish check after
 each (a stop inside a speculative run ends it there), commit its KV through the ``KVManager``
-(a prefill's or plain decode's positions; a verify step's accepted path), and on finish free
-what it holds and tell the worker. This is the only code that appends output tokens or
-finishes a request.
+(a prefill's or plain decode's positions; a verify step's accepted path; under overlap
+scheduling the accepted run minus the pre-claimed root), and on finish free what it holds and
+tell the worker. A stale overlap result (its request finished, was aborted or retracted after
+the step was launched) changes nothing: no tokens, no acceptance counted, no KV touched. This is
+the only code that appends output tokens or finishes a request.
 """
 
 from __future__ import annotations
@@ -44,11 +46,21 @@ class OutputProcessor:
         assert self.worker is not None
         kept: list[int] = []
         for i, req in enumerate(result.reqs):
+            if self.is_stale(result, i):
+                continue  # finished, aborted or retracted since launch: nothing of it applies
             self.emit(req, result.tokens[i], events, verify_step=True)
-            if req.status is not ReqStatus.FINISHED:
-                self.kv.commit_path(req, result.verify.nodes[i])
-                kept.append(i)
+            if req.status is ReqStatus.FINISHED:
+                continue
+            accepted = result.verify.nodes[i]
+            if result.overlap:  # KV already in place; the root's slot was pre-claimed
+                self.kv.commit(req, len(accepted) - 1)
+            else:
+                self.kv.commit_path(req, accepted)
+            kept.append(i)
         self.worker.resolved(result, kept)
+
+    def is_stale(self, result: StepResult, i: int) -> bool:
+        return result.stale(i)
 
     def finish_reason(self, req: Req) -> FinishReason | None:
         return finish_reason(req.params, req.output_ids, req.seq_len, self.eos_token_id,

@@ -61,13 +61,13 @@ class ModelRunner:
                             self.attention_metadata(self._rows([req]), [n], [n]),
                             torch.tensor([n - 1]) if last_only else None)
 
-    def prepare_verify(self, reqs: list[Req], vin: VerifyInput, causal: bool) -> ForwardBatch:
-        """The verify block: ``N`` slots per request past its committed end, positions
-        ``committed + depth``; a chain's tree mask is causal, the metadata's default."""
+    def prepare_verify(self, reqs: list[Req], vin: VerifyInput, slots: torch.Tensor,
+                       causal: bool) -> ForwardBatch:
+        """The verify block: request i's ``N`` nodes at positions ``root + depth`` writing the
+        slots ``slots[i]``; a chain's tree mask is causal, the metadata's default."""
         b, n = vin.draft_tokens.shape
-        seq = [r.kv_committed_len for r in reqs]
-        slots = torch.stack([self.kv.extend(r, n) for r in reqs])
-        meta = self.attention_metadata(self._rows(reqs), [n] * b, [s + n for s in seq],
+        roots = vin.positions[:, 0].tolist()
+        meta = self.attention_metadata(self._rows(reqs), [n] * b, [s + n for s in roots],
                                        None if causal else list(vin.tree_mask))
         return ForwardBatch(vin.draft_tokens.reshape(-1), vin.positions.reshape(-1),
                             slots.reshape(-1), meta)
@@ -93,10 +93,10 @@ class ModelRunner:
         meta = self.attention_metadata(self._rows(reqs), [width] * len(reqs), seen, masks)
         return ForwardBatch(tokens, positions, slots, meta)
 
-    def prepare_draft_extend(self, reqs: list[Req], ext: DraftExtendInput) -> ForwardBatch:
-        """The head over each request's accepted positions, which end at its committed end."""
+    def prepare_draft_extend(self, reqs: list[Req], ext: DraftExtendInput, ends: list[int]
+                             ) -> ForwardBatch:
+        """The head over each request's accepted positions, which end before ``ends[i]``."""
         lens = ext.accept_lens.tolist()
-        ends = [r.kv_committed_len for r in reqs]
         rows = [r.row for r in reqs]
         positions = torch.tensor([p for e, n in zip(ends, lens, strict=True)
                                   for p in range(e - n, e)])

@@ -5,10 +5,11 @@ Policy (sglang's, simplified):
   admitted in queue order while rows, ``max_running_requests``, the per-step token budget and
   free KV (keeping each decoding request's next-step need as head-room) allow. A prompt
   larger than the budget is prefilled in chunks, one chunked request at a time;
-- otherwise every decoding request advances; a decode step needs ``decode_tokens`` slots per
-  request (1 plain; under speculation the verify block or the draft scratch, whichever is
-  larger). If the pool cannot give each request that, the newest requests are retracted (KV
-  and row freed, output kept, re-queued at the front) until it can.
+- otherwise every decoding request advances; a decode step needs ``decode_need(req)`` slots
+  past each request's allocation (1 plain; under speculation the verify block or the draft
+  scratch, or what tops up an overlap reservation). If the pool cannot give each request
+  that, the newest requests are retracted (KV and row freed, output kept, re-queued at the
+  front) until it can.
 - test hook ``retract_every = n``: every n-th decode step retracts the middle decoding request
   first (sglang's forced-retract hook; the middle row is the one positional filters get wrong).
 """
@@ -16,6 +17,7 @@ Policy (sglang's, simplified):
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -33,9 +35,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_running_requests: int, max_prefill_tokens: int,
-                 retract_every: int = 0, decode_tokens: int = 1) -> None:
+                 retract_every: int = 0,
+                 decode_need: Callable[[Req], int] = lambda req: 1) -> None:
         self.kv = kv
-        self.decode_tokens = decode_tokens
+        self.decode_need = decode_need
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.retract_every = retract_every
@@ -61,7 +64,7 @@ class Scheduler:
         budget = self.max_prefill_tokens
         reqs: list[Req] = []
         lens: list[int] = []
-        head_room = sum(self.kv.pages_needed(r, self.decode_tokens)
+        head_room = sum(self.kv.pages_needed(r, self.decode_need(r))
                         for r in self.running if r.status is ReqStatus.DECODE)
         chunked = [r for r in self.running if r.status is ReqStatus.PREFILL]
         candidates = chunked + list(self.waiting)
@@ -101,7 +104,7 @@ class Scheduler:
             decoding = [r for r in self.running if r.status is ReqStatus.DECODE]
             if not decoding:
                 return ScheduledBatch("decode", [], [], retracted) if retracted else None
-            if self.kv.can_extend([(r, self.decode_tokens) for r in decoding]):
+            if self.kv.can_extend([(r, self.decode_need(r)) for r in decoding]):
                 return ScheduledBatch("decode", decoding, [1] * len(decoding), retracted)
             retracted.append(self._retract(max(self.running, key=lambda r: r.arrival)))
 

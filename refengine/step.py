@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from refengine.request import Req
+from refengine.request import Req, ReqStatus
 
 if TYPE_CHECKING:
     from refengine.spec.eagle_v1 import VerifyOutcome
@@ -23,6 +23,15 @@ class StepResult:
     tokens: list[list[int]]     # tokens to append, in order ([]: a prefill chunk mid-prompt)
     written: list[int]          # KV positions this step's forward wrote (extend steps)
     verify: VerifyOutcome | None = None  # a verify step: accepted paths, for commit and extend
+    # Overlap scheduling: the step is resolved one engine step after its launch, and a request
+    # retracted in between (its retraction count moved) or finished gets nothing from it.
+    overlap: bool = False
+    generations: list[int] | None = None  # each request's retraction count at launch
+
+    def stale(self, i: int) -> bool:
+        req = self.reqs[i]
+        return self.overlap and (req.status is ReqStatus.FINISHED or (
+            self.generations is not None and req.retractions != self.generations[i]))
 
     @property
     def is_verify(self) -> bool:

@@ -48,7 +48,7 @@ ENGINE_BAD: list[tuple[str, Any]] = [
     ("cuda_graph", True), ("cuda_graph", 1),
     ("seed", -1), ("seed", 0.5), ("seed", False), ("seed", None),
     # Valid SpecConfigs the engine does not implement yet.
-    ("spec", SpecConfig(algorithm="frozen_kv_mtp")), ("spec", SpecConfig(overlap=True)),
+    ("spec", SpecConfig(algorithm="frozen_kv_mtp")),
 ]
 
 

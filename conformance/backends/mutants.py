@@ -13,7 +13,7 @@ request rows, stale state after retraction, off-by-one length checks, dropped st
 batch-dependent attention; and one
 speculative-sampling bug (``biased_verify_sampler``), which only shows in the distribution of
 sampled tokens and is the distribution tier's negative control. A mutant with
-``requires_spec`` behaves exactly like the reference engine under plain decoding.
+``spec`` other than "none" behaves exactly like the reference engine under plain decoding.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from refengine.spec.draft_state import DraftState
 from refengine.spec.eagle_v1 import EagleV1Worker
 from refengine.spec.inputs import DraftExtendInput, DraftInput, VerifyInput
 from refengine.spec.verify import SampledPath, verify_tree_sampling
+from refengine.step import StepResult
 from refengine.stopping import finish_reason
 
 
@@ -179,7 +180,7 @@ class _ResidualIsP(EagleV1Worker):
         root = (*req.prompt_ids, *req.output_ids)
         self.trees.setdefault(root, Counter())[draft_tree(tokens, next_token, next_sibling)] += 1
         return verify_tree_sampling(tokens, next_token, next_sibling, probs, self.spec.num_steps,
-                                    req.seed, len(req.output_ids), residual=_residual_is_p)
+                                    req.seed, self.output_index(req), residual=_residual_is_p)
 
 
 def verified_draft_trees(handle: object) -> dict[tuple[int, ...], Counter[DraftTree]]:
@@ -297,11 +298,42 @@ class RetractFilterPositional(Engine):
     worker_class = _PositionalFilterWorker
 
 
+# --- overlap scheduling (EAGLE V2) ---------------------------------------------------------------
+
+class _AppliesStaleResults(OutputProcessor):
+    def is_stale(self, result: StepResult, i: int) -> bool:
+        return False  # BUG: a late result is applied whatever happened to its request
+
+
+class StaleResultApplied(Engine):
+    """Stale result: an overlap step's result is applied to a request that finished, was
+    aborted or retracted after the step was launched (tokens for a dead request, acceptance
+    counted, KV committed that is no longer its own)."""
+
+    output_class = _AppliesStaleResults
+
+
+class _AbortKeepsReservation(KVManager):
+    def release(self, req: Req) -> None:
+        if req.finish_reason == "abort" and req.row is not None:
+            # BUG: the abort path frees only what is committed; the reservation past it is
+            # forgotten, never returned to the pool.
+            req.kv_allocated_len = -(-req.kv_committed_len // self.page_size) * self.page_size
+        super().release(req)
+
+
+class AbortLeaksReservation(Engine):
+    """Over-allocation not freed on abort: an aborted request's overlap reservation past its
+    committed end leaks (invisible without a reservation, i.e. under V1)."""
+
+    kv_manager_class = _AbortKeepsReservation
+
+
 @dataclass(frozen=True)
 class Mutant:
     name: str
     engine_class: type[Engine]
-    requires_spec: bool = False  # the bug lives in speculative decoding: invisible under "none"
+    spec: str = "none"  # the --spec under which the bug is visible (and which runs it)
 
     @property
     def bug_class(self) -> str:
@@ -316,12 +348,14 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("max_new_tokens_off_by_one", MaxNewTokensOffByOne),
     Mutant("ignores_stop_token_ids", IgnoresStopTokenIds),
     Mutant("batch_leaks_across_rows", BatchLeaksAcrossRows),
-    Mutant("biased_verify_sampler", BiasedVerifySampler, requires_spec=True),
-    Mutant("all_finish_leaves_verify_input", AllFinishLeavesVerifyInput, requires_spec=True),
-    Mutant("draft_extend_phase_confusion", DraftExtendPhaseConfusion, requires_spec=True),
-    Mutant("rejected_slots_kept_paged", RejectedSlotsKeptPaged, requires_spec=True),
-    Mutant("stop_inside_run_ignored", StopInsideRunIgnored, requires_spec=True),
-    Mutant("retract_filter_positional", RetractFilterPositional, requires_spec=True),
+    Mutant("biased_verify_sampler", BiasedVerifySampler, spec="eagle"),
+    Mutant("all_finish_leaves_verify_input", AllFinishLeavesVerifyInput, spec="eagle"),
+    Mutant("draft_extend_phase_confusion", DraftExtendPhaseConfusion, spec="eagle"),
+    Mutant("rejected_slots_kept_paged", RejectedSlotsKeptPaged, spec="eagle"),
+    Mutant("stop_inside_run_ignored", StopInsideRunIgnored, spec="eagle"),
+    Mutant("retract_filter_positional", RetractFilterPositional, spec="eagle"),
+    Mutant("stale_result_applied", StaleResultApplied, spec="eagle-v2"),
+    Mutant("abort_leaks_reservation", AbortLeaksReservation, spec="eagle-v2"),
 ]}
 
 

@@ -51,7 +51,7 @@ class RefEngineBackend:
         return Capabilities(algorithms=frozenset({"none", "eagle"}), tree=True, sampling=True,
                             stepwise=True, abort=True, memory_view=True, acceptance_stats=True,
                             reference_draft=True, worker_hooks=True, forced_retract=True,
-                            kernels=True)
+                            kernels=True, overlap=True)
 
     def kernel_impls(self) -> KernelImpls:
         """Tree kernels for the kernel tier: Triton where it can run (a GPU, or

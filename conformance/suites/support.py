@@ -32,7 +32,7 @@ def open_driver(sg: SuiteContext, spec: SpecConfig | Literal["first"] | None = "
     cfg = replace(OpenConfig(model=sg.model, spec=chosen), **limits)
     handle = sg.backend.open(cfg)
     try:
-        yield Driver(handle, sg.caps)
+        yield Driver(handle, sg.caps, overlap=chosen is not None and chosen.overlap)
     finally:
         handle.close()
 

@@ -97,7 +97,7 @@ def sample(backend: Backend, sg: SuiteContext, spec: SpecConfig | None,
     start = time.perf_counter()  # one torch thread, as the whole suite (the ``sg`` fixture)
     handle = backend.open(cfg)
     try:
-        driver = Driver(handle, backend.capabilities())
+        driver = Driver(handle, backend.capabilities(), overlap=spec is not None and spec.overlap)
         for i in range(SAMPLES):
             driver.submit(f"d{i}", list(prompt), sampling_params(i))
         outcomes = driver.run(64 + SAMPLES * (TOKENS + 2))

@@ -114,14 +114,30 @@ class KVManager:
         verify block written at positions ``committed ..``; their KV moves to the contiguous
         positions ``committed, committed + 1, ..`` (a chain's path already sits there), they
         are committed, and the rest of the block is freed (whole pages only)."""
-        s = req.kv_committed_len
-        if nodes != list(range(len(nodes))):
-            src = self.rows.table[req.row, [s + j for j in nodes]]
-            dst = self.rows.table[req.row, s: s + len(nodes)]
-            self.kv.k[:, dst] = self.kv.k[:, src]
-            self.kv.v[:, dst] = self.kv.v[:, src]
+        self.move_path(req, req.kv_committed_len, nodes)
         self.commit(req, len(nodes))
         self.truncate(req, req.kv_committed_len)
+
+    def move_path(self, req: Req, start: int, nodes: list[int]) -> None:
+        """Move the KV of the accepted block offsets ``nodes`` (root first) of a verify block
+        written at positions ``start ..`` to the contiguous positions ``start, start + 1, ..``.
+        A chain's path already sits there. Lengths are not touched (the overlap path commits
+        one step later)."""
+        if nodes != list(range(len(nodes))):
+            src = self.rows.table[req.row, [start + j for j in nodes]]
+            dst = self.rows.table[req.row, start: start + len(nodes)]
+            self.kv.k[:, dst] = self.kv.k[:, src]
+            self.kv.v[:, dst] = self.kv.v[:, src]
+
+    def reserve_for_decode(self, req: Req, reserve_tokens: int) -> None:
+        """Overlap scheduling, at schedule time: pre-claim the slot of the root (the token the
+        step's verify writes first, committed by every verify) and reserve up to
+        ``committed + reserve_tokens`` positions, page-aligned. The step's forwards then only
+        use reserved slots; resolution commits the rest of the accepted run."""
+        want = -(-(req.kv_committed_len + 1 + reserve_tokens) // self.page_size) * self.page_size
+        if want > req.kv_allocated_len:
+            self.extend(req, want - req.kv_allocated_len)
+        self.commit(req, 1)
 
     def truncate(self, req: Req, keep_tokens: int) -> None:
         """Release reserved positions beyond ``keep_tokens`` (whole pages only)."""

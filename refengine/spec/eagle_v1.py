@@ -25,6 +25,8 @@ The worker owns its ``DraftState`` and runs every forward through the ``ModelRun
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -104,12 +106,41 @@ class EagleV1Worker:
         self.draft_state = self.draft_state_class(self.idle_input())
 
     @property
-    def decode_tokens(self) -> int:
+    def lookahead(self) -> int:
+        """KV positions past a request's sequence a decode step may hold: the verify block or
+        the draft scratch, whichever is larger."""
         return max(self.spec.num_draft_tokens, self.spec.topk * (self.spec.num_steps - 1))
+
+    def decode_need(self, req: Req) -> int:
+        return self.lookahead  # V1 allocates while it runs, from what the request holds
+
+    def prepare_for_decode(self, reqs: list[Req]) -> None:
+        """Nothing to reserve ahead: drafting and verify allocate as they go."""
 
     @property
     def reserve_bound(self) -> int:
         return 0  # commit frees everything past the accepted run
+
+    def roots(self, reqs: list[Req]) -> list[int]:
+        """Each request's root position: its committed end (verify commits before the next
+        step starts)."""
+        return [r.kv_committed_len for r in reqs]
+
+    @contextmanager
+    def scratch(self, reqs: list[Req], tokens: int) -> Iterator[torch.Tensor]:
+        """Draft KV slots for ``tokens`` positions past each root, ``[len(reqs), tokens]``:
+        taken from the allocator for the duration of drafting and given back after."""
+        # They sit just past each allocation, which must be the committed end (the root's
+        # position): commit and prefill leave nothing past it.
+        stray = [r.rid for r in reqs if r.kv_allocated_len != r.kv_committed_len]
+        if stray:
+            raise RuntimeError(f"requests {stray} hold KV past their committed end at draft")
+        with self.kv.scratch(reqs, tokens) as slots:
+            yield slots
+
+    def verify_slots(self, reqs: list[Req]) -> torch.Tensor:
+        """``[len(reqs), N]`` slots for the verify block, allocated past each root."""
+        return torch.stack([self.kv.extend(r, self.spec.num_draft_tokens) for r in reqs])
 
     @property
     def hidden_size(self) -> int:
@@ -182,11 +213,6 @@ class EagleV1Worker:
     # --- draft ----------------------------------------------------------------------------------
 
     def draft(self, reqs: list[Req], din: DraftInput) -> VerifyInput:
-        # Draft KV goes to the scratch slots just past each allocation, which must be the
-        # committed end (the root's position): commit and prefill leave nothing past it.
-        stray = [r.rid for r in reqs if r.kv_allocated_len != r.kv_committed_len]
-        if stray:
-            raise RuntimeError(f"requests {stray} hold KV past their committed end at draft")
         return (self.draft_chain(reqs, din) if self.spec.topk == 1
                 else self.draft_tree(reqs, din))
 
@@ -198,11 +224,11 @@ class EagleV1Worker:
         the beam, score and mask bookkeeping, which costs a decode step as much as a head forward.
         """
         steps = self.spec.num_steps
-        seq = [r.kv_committed_len for r in reqs]
+        seq = self.roots(reqs)
         start = torch.tensor(seq)
         tokens = [din.verified_id, din.topk_index[:, 0]]
         features = din.hidden_states
-        with self.kv.scratch(reqs, steps - 1) as slots:
+        with self.scratch(reqs, steps - 1) as slots:
             for i in range(1, steps):  # step i's node sits at position s + i - 1
                 fb = self.runner.prepare_draft_step(reqs, tokens[-1], start + (i - 1),
                                                     slots[:, i - 1], 1, [s + i for s in seq])
@@ -215,7 +241,7 @@ class EagleV1Worker:
         """Beam search over ``S - 1`` head forwards, then the best ``N - 1`` candidates."""
         k, steps, n = self.spec.topk, self.spec.num_steps, self.spec.num_draft_tokens
         b = len(reqs)
-        seq = torch.tensor([r.kv_committed_len for r in reqs])
+        seq = torch.tensor(self.roots(reqs))
         scores = [din.topk_p]                    # candidate path scores, flat per step
         cand_tokens = [din.topk_index]
         cand_parents = [torch.full((b, k), -1, dtype=torch.int64)]
@@ -226,7 +252,7 @@ class EagleV1Worker:
         ancestors = torch.zeros((b, k, max(scratch, 1)), dtype=torch.bool)
         offset = k
         own_entry = torch.eye(k, dtype=torch.bool)   # beam node m sees its own scratch entry
-        with self.kv.scratch(reqs, scratch) as scratch_slots:
+        with self.scratch(reqs, scratch) as scratch_slots:
             for i in range(1, steps):
                 node_mask = ancestors.clone()
                 node_mask[:, :, (i - 1) * k:i * k] |= own_entry
@@ -265,8 +291,8 @@ class EagleV1Worker:
 
     def verify(self, reqs: list[Req], vin: VerifyInput) -> VerifyOutcome:
         n = self.spec.num_draft_tokens
-        out = self.runner.forward(self.runner.prepare_verify(reqs, vin,
-                                                             causal=self.spec.topk == 1))
+        out = self.runner.forward(self.runner.prepare_verify(
+            reqs, vin, self.verify_slots(reqs), causal=self.spec.topk == 1))
         logits = out.logits.view(len(reqs), n, -1)
         nodes, emitted = accept(reqs, vin, logits, self.spec.num_steps, self.sample_path)
         return VerifyOutcome(nodes, emitted, out.features.view(len(reqs), n, -1), vin)
@@ -277,7 +303,12 @@ class EagleV1Worker:
         return verify_tree_sampling(
             vin.draft_tokens[row].tolist(), vin.retrieve_next_token[row].tolist(),
             vin.retrieve_next_sibling[row].tolist(), probs, self.spec.num_steps, req.seed,
-            len(req.output_ids))
+            self.output_index(req))
+
+    def output_index(self, req: Req) -> int:
+        """The output index of the first token this step emits for ``req`` (what seeds its
+        per-position generator): V1 resolved every earlier step already."""
+        return len(req.output_ids)
 
     def extend_input(self, outcome: VerifyOutcome, keep: list[int]) -> DraftExtendInput:
         """Rows of the requests ``keep`` (unfinished after verify), in that order."""
@@ -293,7 +324,7 @@ class EagleV1Worker:
 
     def draft_extend(self, reqs: list[Req], ext: DraftExtendInput) -> DraftInput:
         """The head over each request's accepted positions (already committed)."""
-        fb = self.runner.prepare_draft_extend(reqs, ext)
+        fb = self.runner.prepare_draft_extend(reqs, ext, self.roots(reqs))
         logits, predicted = self.runner.forward_draft(fb, ext.hidden_states)
         topk_p, topk_index = _topk(logits, self.spec.topk)
         return DraftInput(topk_p, topk_index, predicted, ext.input_ids[fb.logits_index])

@@ -21,8 +21,16 @@ from refengine.step import StepResult
 
 class SpecWorker(Protocol):
     @property
-    def decode_tokens(self) -> int:
-        """KV slots a decode step needs per request (verify block or draft scratch)."""
+    def lookahead(self) -> int:
+        """KV positions past its sequence a request may need during a decode step."""
+
+    def decode_need(self, req: Req) -> int:
+        """KV positions past its allocation ``req`` needs for the next decode step (the
+        scheduler retracts until every decoding request can have them)."""
+
+    def prepare_for_decode(self, reqs: list[Req]) -> None:
+        """Schedule-side allocation for a decode batch about to launch (overlap scheduling
+        reserves here, so the launched step never allocates)."""
 
     @property
     def reserve_bound(self) -> int:

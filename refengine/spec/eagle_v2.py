@@ -1,0 +1,128 @@
+"""EAGLE V2: V1's draft -> verify -> draft-extend, launched one step ahead of its resolution
+(overlap scheduling, ``SpecConfig(overlap=True)``).
+
+What changes against V1:
+
+* **Allocation only at schedule time.** ``prepare_for_decode`` tops each request's reservation
+  up to ``committed + 1 + 2L`` positions, page-aligned (``L = max(topk * num_steps, N)``), and
+  pre-claims the root's slot (``committed += 1``: every verify commits the root). The launched
+  step never allocates or frees: draft scratch and the verify block use reserved positions from
+  the root on. Why 2L: the engine's committed length lags the truth by the unresolved step
+  (up to L positions), and the step being launched needs up to L more.
+* **The step carries its own truth forward.** ``launch`` runs draft, verify and draft-extend,
+  moves a tree's accepted KV into place (through the KV manager) and records each request's
+  new root position in ``seq``: the next step is launched from it before this one is resolved.
+  This map is the "future" the next batch reads; the engine's request state is not.
+* **Resolution one step late** (``OutputProcessor``): ``committed += accepted - 1`` (the root
+  was pre-claimed), and a stale result (its request finished, was aborted or retracted since
+  launch) changes nothing. A retracted request's KV was released with it; a finished one's is
+  freed by the release at its finish.
+
+Between steps a request may hold up to ``2L + page_size - 1`` positions past its committed end
+(``reserve_bound``), and a decoding request in flight has pre-claimed its root, so its committed
+length is ``prompt + output`` rather than V1's ``prompt + output - 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from refengine.clock import PhaseClock
+from refengine.config import SpecConfig
+from refengine.memory.manager import KVManager
+from refengine.model.llama import ForwardBatch
+from refengine.request import Req
+from refengine.runner import ModelRunner
+from refengine.spec.eagle_v1 import EagleV1Worker
+from refengine.step import StepResult
+
+
+def reserve_tokens(spec: SpecConfig) -> int:
+    """2L: positions reserved past the committed end at every decode step."""
+    return 2 * max(spec.topk * spec.num_steps, spec.num_draft_tokens)
+
+
+class EagleV2Worker(EagleV1Worker):
+    def __init__(self, spec: SpecConfig, runner: ModelRunner, kv: KVManager,
+                 clock: PhaseClock) -> None:
+        super().__init__(spec, runner, kv, clock)
+        self.reserve_tokens = reserve_tokens(spec)
+        self.seq: dict[str, int] = {}  # rid -> root position after the last launched step
+
+    @property
+    def lookahead(self) -> int:
+        return 1 + self.reserve_tokens
+
+    def decode_need(self, req: Req) -> int:
+        ps = self.kv.page_size
+        want = -(-(req.kv_committed_len + 1 + self.reserve_tokens) // ps) * ps
+        return max(0, want - req.kv_allocated_len)
+
+    def prepare_for_decode(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            self.kv.reserve_for_decode(req, self.reserve_tokens)
+
+    @property
+    def reserve_bound(self) -> int:
+        return self.reserve_tokens + self.kv.page_size - 1
+
+    def drop(self, rid: str) -> None:
+        super().drop(rid)
+        self.seq.pop(rid, None)
+
+    def prefill(self, reqs: list[Req], lens: list[int], batch: ForwardBatch,
+                features: torch.Tensor, sampled: dict[str, int]) -> None:
+        super().prefill(reqs, lens, batch, features, sampled)
+        for req in reqs:
+            if req.rid in sampled:  # the sampled token is the root, at the fill's end
+                self.seq[req.rid] = len(req.fill_ids)
+
+    def roots(self, reqs: list[Req]) -> list[int]:
+        return [self.seq[r.rid] for r in reqs]
+
+    def output_index(self, req: Req) -> int:
+        # The request's output lags the launched steps; the root (its newest token, at
+        # position seq) is output index seq - prompt, so this step's first token is one more.
+        return self.seq[req.rid] - len(req.prompt_ids) + 1
+
+    def _reserved(self, reqs: list[Req], tokens: int) -> torch.Tensor:
+        """``[len(reqs), tokens]`` reserved slots from each root on."""
+        roots = self.roots(reqs)
+        short = [r.rid for r, s in zip(reqs, roots, strict=True)
+                 if s + tokens > r.kv_allocated_len]
+        if short:
+            raise RuntimeError(f"requests {short} have no reservation for {tokens} positions "
+                               "past their root: prepare_for_decode did not run")
+        if not reqs:
+            return torch.empty((0, tokens), dtype=torch.int64)
+        rows = torch.tensor([r.row for r in reqs])
+        positions = torch.tensor(roots)[:, None] + torch.arange(tokens)
+        return self.kv.rows.table[rows[:, None], positions]
+
+    @contextmanager
+    def scratch(self, reqs: list[Req], tokens: int) -> Iterator[torch.Tensor]:
+        yield self._reserved(reqs, tokens)  # draft KV over the reservation: nothing to undo
+
+    def verify_slots(self, reqs: list[Req]) -> torch.Tensor:
+        return self._reserved(reqs, self.spec.num_draft_tokens)
+
+    def launch(self, reqs: list[Req]) -> StepResult:
+        generations = [r.retractions for r in reqs]
+        with self.clock.timed("draft"):
+            verify_input = self.draft(reqs, self.draft_state.aligned([r.rid for r in reqs]))
+        with self.clock.timed("verify"):
+            outcome = self.verify(reqs, verify_input)
+        with self.clock.timed("extend"):
+            for req, accepted in zip(reqs, outcome.nodes, strict=True):
+                root = self.seq[req.rid]
+                self.kv.move_path(req, root, accepted)
+                self.seq[req.rid] = root + len(accepted)
+            self.install_next(reqs, self.extend_input(outcome, list(range(len(reqs)))))
+        return StepResult(reqs, outcome.emitted, [], outcome, overlap=True,
+                          generations=generations)
+
+    def resolved(self, result: StepResult, kept: list[int]) -> None:
+        """Draft-extend ran inside the launched step; nothing is left to do."""
