@@ -32,7 +32,3 @@ class StepResult:
         req = self.reqs[i]
         return self.overlap and (req.status is ReqStatus.FINISHED or (
             self.generations is not None and req.retractions != self.generations[i]))
-
-    @property
-    def is_verify(self) -> bool:
-        return self.verify is not None
