@@ -135,6 +135,13 @@ def test_rejects_bad_arguments(random_model_dir: Path) -> None:
         run_bench(["refengine"], [1], 4, "none", Recorder(), model=model, repeats=0)
 
 
+def test_overlap_lanes_sit_beside_their_sequential_twins() -> None:
+    lanes = bench.lanes_for("eagle-v2", ["refengine"])
+    assert [ln.label for ln in lanes] == ["plain", "chain-s3-n4", "chain-s3-n4-v2",
+                                          "tree-s3-k4-n8", "tree-s3-k4-n8-v2"]
+    assert [ln.spec.overlap for ln in lanes[1:] if ln.spec] == [False, True, False, True]
+
+
 def test_parse_batch_sizes() -> None:
     assert parse_batch_sizes("1,8,32") == [1, 8, 32]
     assert parse_batch_sizes(" 4 ") == [4]

@@ -43,6 +43,7 @@ def assert_usage_error(code: int, err: str, *needles: str) -> None:
     (["bench", "--spec", "warp"], ["unknown spec"]),
     (["bench", "--repeats", "0"], ["--repeats", "0"]),
     (["mutants", "--only", "nope"], ["unknown mutant", "nope"]),
+    (["golden", "check", "--spec", "eagle-v2"], ["no acceptance traces of its own"]),
 ])
 def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
                                    needles: list[str], random_model_dir: Path) -> None:
