@@ -131,6 +131,10 @@ class EngineConfig:
     cuda_graph: bool = False
     seed: int = 0
     retract_every: int = 0  # test hook: retract the middle decoding request every N decode steps
+    # Overlap scheduling (SpecConfig(overlap=True)): run each decode step's forwards on a worker
+    # thread while the previous step is resolved. False: the same one-step-late order in one
+    # thread (deterministic mode, for tests). Both give the same tokens.
+    overlap_thread: bool = True
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and bool(self.model), "model",
@@ -156,6 +160,8 @@ class EngineConfig:
                  f"must be an integer >= 0, got {self.seed!r}")
         _require(_is_int(self.retract_every) and self.retract_every >= 0, "retract_every",
                  f"must be an integer >= 0 (0 = off), got {self.retract_every!r}")
+        _require(isinstance(self.overlap_thread, bool), "overlap_thread",
+                 f"must be a bool, got {self.overlap_thread!r}")
         _require(not self.cuda_graph, "cuda_graph",
                  "the graph runner is not implemented yet; use cuda_graph=False")
         if self.spec is not None:

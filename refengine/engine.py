@@ -10,8 +10,10 @@ of the engine.
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -97,6 +99,12 @@ class Engine:
                                         self.max_context_len)
         self._pending: list[Event] = []
         self._in_flight: StepResult | None = None  # overlap: launched, resolved next step
+        # Overlap with a thread: a decode step's forwards run here while the previous step is
+        # resolved. One worker, so launches keep their order (what a GPU stream guarantees).
+        self._launcher: ThreadPoolExecutor | None = None
+        if spec is not None and spec.overlap and config.overlap_thread:
+            self._launcher = ThreadPoolExecutor(1, thread_name_prefix="refengine-launch")
+            weakref.finalize(self, self._launcher.shutdown, wait=False)
         self._arrivals = 0
         self._anonymous = 0
 
@@ -151,7 +159,9 @@ class Engine:
     def step(self) -> list[Event]:
         """schedule -> launch -> resolve, then the strict memory check. Under overlap
         scheduling a decode step is resolved one engine step later, after the next step was
-        scheduled and launched; everything else is resolved at once, oldest first."""
+        scheduled and launched (on the launch thread, running while the previous step is
+        resolved); everything else is resolved at once, oldest first. Every launch is joined
+        before ``step`` returns, so callers never race a running forward."""
         events, self._pending = self._pending, []
         launched = None
         with self.clock.timed("schedule"):
@@ -159,14 +169,25 @@ class Engine:
             if (batch is not None and batch.mode == "decode" and batch.reqs
                     and self.worker is not None):
                 self.worker.prepare_for_decode(batch.reqs)
+        running: Future[StepResult] | None = None
         if batch is not None:
             for r in batch.retracted:
                 events.append(RetractEvent(r.rid))
                 if self.worker is not None:
                     self.worker.drop(r.rid)
-            if batch.reqs:
+            if batch.reqs and self._launcher is not None and batch.mode == "decode":
+                running = self._launcher.submit(self.launch, batch)
+            elif batch.reqs:
                 launched = self.launch(batch)
-        if self._in_flight is not None:
+        if running is not None:
+            # Resolve the previous step while this one runs; the requests it reads keep their
+            # rows and draft state until it is joined.
+            with self.output.deferring_release():
+                if self._in_flight is not None:
+                    self.output.resolve(self._in_flight, events)
+                    self._in_flight = None
+                launched = running.result()
+        elif self._in_flight is not None:
             self.output.resolve(self._in_flight, events)
             self._in_flight = None
         if launched is not None and launched.overlap:

@@ -11,7 +11,8 @@ the only code that appends output tokens or finishes a request.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from refengine.events import Event, FinishEvent, TokenEvent
 from refengine.memory.manager import KVManager
@@ -33,6 +34,25 @@ class OutputProcessor:
         self.decode = decode
         self.eos_token_id = eos_token_id
         self.max_context_len = max_context_len
+        self._deferred: list[Req] | None = None
+
+    @contextmanager
+    def deferring_release(self) -> Iterator[None]:
+        """While a launched step runs on another thread it reads its requests' rows, slots and
+        draft state: a request finishing meanwhile has its KV released and its draft state
+        dropped only when the bracket ends (after the caller joined that step)."""
+        self._deferred = []
+        try:
+            yield
+        finally:
+            deferred, self._deferred = self._deferred, None
+            for req in deferred:
+                self._release(req)
+
+    def _release(self, req: Req) -> None:
+        self.scheduler.remove(req)
+        if self.worker is not None:
+            self.worker.drop(req.rid)
 
     def resolve(self, result: StepResult, events: list[Event]) -> None:
         if result.verify is None:
@@ -88,11 +108,12 @@ class OutputProcessor:
 
     def finish(self, req: Req, reason: FinishReason, events: list[Event]) -> None:
         req.finish_reason = reason
-        self.scheduler.remove(req)
         req.status = ReqStatus.FINISHED
         del self.live[req.rid]
-        if self.worker is not None:
-            self.worker.drop(req.rid)
+        if self._deferred is not None:
+            self._deferred.append(req)
+        else:
+            self._release(req)
         text = self.decode(req.output_ids)
         if reason == "stop" and req.params.stop:
             cut = stop_string_cut(text, req.params.stop)

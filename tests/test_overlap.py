@@ -1,10 +1,11 @@
 """EAGLE V2 (overlap scheduling): lossless against plain decoding and V1 under retraction and
-aborts; the reservation and the pre-claimed root slot; stale results change nothing."""
+aborts; the reservation and the pre-claimed root slot; stale results change nothing; the
+launch thread and the deterministic mode give the same events."""
 
 from __future__ import annotations
 
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -63,31 +64,61 @@ def test_sampled_v2_equals_sampled_v1(spec_pair: tuple[Path, Path]) -> None:
     assert outs[True] == outs[False]
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_retraction_and_random_aborts(spec_pair: tuple[Path, Path],
-                                      plain_outputs: list[list[int]], config: str) -> None:
-    """Forced retraction every 2nd decode step and random aborts: survivors exact, the strict
-    memory check on every step, nothing left when idle."""
-    e = engine(spec_pair, config, page_size=4, retract_every=2)
+@dataclass
+class Run:
+    outputs: dict[str, list[int]]   # per request its output, [] if aborted
+    trace: list[list[str]]          # every step's events, as text
+    retractions: int
+    doomed: set[str]                # requests that may be aborted
+
+
+def run_with_retraction_and_aborts(e: Engine) -> Run:
+    """All prompts at once under the engine's forced retraction, with seeded random aborts."""
     rng = random.Random(7)
     for i, p in enumerate(PROMPTS):
         e.add_request(f"r{i}", p, GREEDY)
     doomed = {f"r{i}" for i in range(len(PROMPTS)) if rng.random() < 0.4}
     outputs: dict[str, list[int]] = {}
+    trace: list[list[str]] = []
     retractions = 0
     while e.has_work():
         for rid in sorted(doomed):
             if rng.random() < 0.15:
                 e.abort(rid)
-        for ev in e.step():
+        events = e.step()
+        trace.append([repr(ev) for ev in events])
+        for ev in events:
             retractions += type(ev).__name__ == "RetractEvent"
             if isinstance(ev, FinishEvent):
                 outputs[ev.rid] = list(ev.output_ids) if ev.reason != "abort" else []
-    assert retractions > 0, "retract_every=2 retracted nothing"
+    return Run(outputs, trace, retractions, doomed)
+
+
+@pytest.mark.parametrize("thread", [True, False], ids=["thread", "deterministic"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_retraction_and_random_aborts(spec_pair: tuple[Path, Path],
+                                      plain_outputs: list[list[int]], config: str,
+                                      thread: bool) -> None:
+    """Forced retraction every 2nd decode step and random aborts: survivors exact, the strict
+    memory check on every step, nothing left when idle."""
+    e = engine(spec_pair, config, page_size=4, retract_every=2, overlap_thread=thread)
+    run = run_with_retraction_and_aborts(e)
+    assert run.retractions > 0, "retract_every=2 retracted nothing"
     for i, want in enumerate(plain_outputs):
-        got = outputs[f"r{i}"]
-        assert (got == [] and f"r{i}" in doomed) or got == want, (i, got, want)
+        got = run.outputs[f"r{i}"]
+        assert (got == [] and f"r{i}" in run.doomed) or got == want, (i, got, want)
     assert idle_error(e.memory()) is None
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_thread_and_deterministic_mode_agree(spec_pair: tuple[Path, Path], config: str) -> None:
+    """The launch thread changes when work happens, never what: the same events, step by step,
+    under forced retraction and aborts."""
+    runs = [run_with_retraction_and_aborts(
+        engine(spec_pair, config, page_size=4, retract_every=2, overlap_thread=thread))
+        for thread in (True, False)]
+    assert runs[0].trace == runs[1].trace
+    assert runs[0].outputs == runs[1].outputs
 
 
 def test_reservation_and_preclaim(spec_pair: tuple[Path, Path]) -> None:

@@ -109,7 +109,17 @@ class EagleV2Worker(EagleV1Worker):
     def verify_slots(self, reqs: list[Req]) -> torch.Tensor:
         return self._reserved(reqs, self.spec.num_draft_tokens)
 
+    def _done_before_launch(self, req: Req) -> bool:
+        """The unresolved step already took ``req`` to its length limit: it finishes when that
+        step is resolved, so this step's work for it would be thrown away as stale."""
+        emitted = self.seq[req.rid] - len(req.prompt_ids) + 1  # the root is output too
+        return (emitted >= req.params.max_new_tokens
+                or self.seq[req.rid] + 1 >= self.runner.target.config.max_position_embeddings)
+
     def launch(self, reqs: list[Req]) -> StepResult:
+        reqs = [r for r in reqs if not self._done_before_launch(r)]
+        if not reqs:
+            return StepResult([], [], [], overlap=True, generations=[])
         generations = [r.retractions for r in reqs]
         with self.clock.timed("draft"):
             verify_input = self.draft(reqs, self.draft_state.aligned([r.rid for r in reqs]))
