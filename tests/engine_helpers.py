@@ -6,11 +6,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from refengine import Engine, FinishEvent, RetractEvent, TokenEvent
+from refengine import (
+    Engine,
+    EngineConfig,
+    FinishEvent,
+    RetractEvent,
+    SamplingParams,
+    SpecConfig,
+    TokenEvent,
+)
 from refengine.memory.kv_pool import KVPool
 from refengine.model.llama import ForwardBatch, ForwardOutput
 
@@ -116,3 +125,25 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int,
 def max_logit_diff(ours: list[torch.Tensor], theirs: torch.Tensor) -> float:
     assert len(ours) == theirs.shape[0]
     return float((torch.stack(ours) - theirs).abs().max())
+
+
+# --- speculative engines on the spec pair (conftest ``spec_pair``) --------------------------------
+
+SPEC_PROMPTS = ["def fib(n):", "import os\nimport sys\n", "class Foo:\n    def __init__(self):",
+                "x = 1\n" * 10, "for i in range(10):\n    print(i)\n", "# comment\n"]
+SPEC_SHAPES = {"chain-s3-n4": (3, 1, 4), "tree-s3-k4-n8": (3, 4, 8), "tree-s5-k8-n16": (5, 8, 16)}
+SPEC_GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+def spec_engine(pair: tuple[Path, Path], config: str | None, overlap: bool = False,
+                **kw: object) -> Engine:
+    """An engine on the spec pair's target: plain (``config=None``) or one of ``SPEC_SHAPES``
+    with the pair's draft head, under overlap scheduling if asked."""
+    target, draft = pair
+    spec = None
+    if config is not None:
+        steps, topk, tokens = SPEC_SHAPES[config]
+        spec = SpecConfig(draft_model=str(draft), num_steps=steps, topk=topk,
+                          num_draft_tokens=tokens, overlap=overlap)
+    return Engine(EngineConfig(model=str(target), spec=spec, **{"kv_pool_tokens": 4096, **kw}))
+

@@ -9,26 +9,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+from engine_helpers import SPEC_GREEDY, SPEC_PROMPTS, spec_engine
 
-from refengine import Engine, EngineConfig, FinishEvent, SamplingParams, SpecConfig, TokenEvent
+from refengine import Engine, FinishEvent, SamplingParams, TokenEvent
 from refengine.memory.view import idle_error
 from refengine.spec.eagle_v2 import reserve_tokens
 
-PROMPTS = ["def fib(n):", "import os\nimport sys\n", "class Foo:\n    def __init__(self):",
-           "x = 1\n" * 10, "for i in range(10):\n    print(i)\n", "# comment\n"]
-CONFIGS = {"chain": (3, 1, 4), "tree": (3, 4, 8)}
-GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+PROMPTS, GREEDY = SPEC_PROMPTS, SPEC_GREEDY
+CONFIGS = ["chain-s3-n4", "tree-s3-k4-n8"]
 
 
 def engine(pair: tuple[Path, Path], config: str | None, overlap: bool = True,
            **kw: object) -> Engine:
-    target, draft = pair
-    spec = None
-    if config is not None:
-        steps, topk, tokens = CONFIGS[config]
-        spec = SpecConfig(draft_model=str(draft), num_steps=steps, topk=topk,
-                          num_draft_tokens=tokens, overlap=overlap)
-    return Engine(EngineConfig(model=str(target), spec=spec, **{"kv_pool_tokens": 4096, **kw}))
+    return spec_engine(pair, config, overlap, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +30,7 @@ def plain_outputs(spec_pair: tuple[Path, Path]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", CONFIGS)
 def test_v2_equals_plain_and_v1(spec_pair: tuple[Path, Path], plain_outputs: list[list[int]],
                                 config: str, page_size: int) -> None:
     """Batch and one at a time: the same tokens as plain decoding, and the same acceptance
@@ -59,7 +52,7 @@ def test_sampled_v2_equals_sampled_v1(spec_pair: tuple[Path, Path]) -> None:
     params = [SamplingParams(max_new_tokens=20, temperature=0.9, top_k=8, seed=s,
                              ignore_eos=True) for s in range(len(PROMPTS))]
     outs = {overlap: [o.output_ids for o in
-                      engine(spec_pair, "tree", overlap=overlap).generate(PROMPTS, params)]
+                      engine(spec_pair, "tree-s3-k4-n8", overlap=overlap).generate(PROMPTS, params)]
             for overlap in (False, True)}
     assert outs[True] == outs[False]
 
@@ -95,7 +88,7 @@ def run_with_retraction_and_aborts(e: Engine) -> Run:
 
 
 @pytest.mark.parametrize("thread", [True, False], ids=["thread", "deterministic"])
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", CONFIGS)
 def test_retraction_and_random_aborts(spec_pair: tuple[Path, Path],
                                       plain_outputs: list[list[int]], config: str,
                                       thread: bool) -> None:
@@ -110,7 +103,7 @@ def test_retraction_and_random_aborts(spec_pair: tuple[Path, Path],
     assert idle_error(e.memory()) is None
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", CONFIGS)
 def test_thread_and_deterministic_mode_agree(spec_pair: tuple[Path, Path], config: str) -> None:
     """The launch thread changes when work happens, never what: the same events, step by step,
     under forced retraction and aborts."""
@@ -125,7 +118,7 @@ def test_reservation_and_preclaim(spec_pair: tuple[Path, Path]) -> None:
     """While a step is in flight its request has pre-claimed its root (committed equals the
     sequence length, one more than sequentially) and holds a reservation ahead of it; the
     bound 2L + page_size - 1 past committed always holds."""
-    e = engine(spec_pair, "chain", page_size=4)
+    e = engine(spec_pair, "chain-s3-n4", page_size=4)
     spec = e.config.spec
     assert spec is not None
     two_l = reserve_tokens(spec)
@@ -157,7 +150,7 @@ def test_results_of_finished_and_aborted_requests_are_stale(spec_pair: tuple[Pat
                                                             ) -> None:
     """A request that finishes while its next step is in flight gets nothing more; one aborted
     in flight gets nothing at all after the abort; the others run on exactly."""
-    e = engine(spec_pair, "chain")
+    e = engine(spec_pair, "chain-s3-n4")
     short = replace(GREEDY, max_new_tokens=2)  # finishes at its first verify's resolution
     e.add_request("short", PROMPTS[0], short)
     e.add_request("victim", PROMPTS[1], GREEDY)

@@ -8,26 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import SPEC_GREEDY, SPEC_PROMPTS, SPEC_SHAPES, spec_engine
 
-from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
+from refengine import SamplingParams
 from refengine.memory.view import idle_error
 from refengine.request import Req
 from refengine.spec.inputs import DraftInput, VerifyInput
 
-PROMPTS = ["def fib(n):", "import os\nimport sys\n", "class Foo:\n    def __init__(self):",
-           "x = 1\n" * 10, "for i in range(10):\n    print(i)\n", "# comment\n"]
-CONFIGS = {"chain-s3-n4": (3, 1, 4), "tree-s3-k4-n8": (3, 4, 8), "tree-s5-k8-n16": (5, 8, 16)}
-GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
-
-
-def engine(pair: tuple[Path, Path], config: str | None, **kw: object) -> Engine:
-    target, draft = pair
-    spec = None
-    if config is not None:
-        steps, topk, tokens = CONFIGS[config]
-        spec = SpecConfig(draft_model=str(draft), num_steps=steps, topk=topk,
-                          num_draft_tokens=tokens)
-    return Engine(EngineConfig(model=str(target), spec=spec, **{"kv_pool_tokens": 4096, **kw}))
+PROMPTS, CONFIGS, GREEDY = SPEC_PROMPTS, SPEC_SHAPES, SPEC_GREEDY
+engine = spec_engine
 
 
 @pytest.fixture(scope="module")
