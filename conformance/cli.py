@@ -119,22 +119,33 @@ def _certify_one(args: argparse.Namespace, spec: SpecChoice, out_dir: Path,
     return cert, run.interrupted
 
 
-def _print_certificate(cert: Certificate, where: Path) -> None:
+def _print_table(title: str, columns: list[str], rows: list[list[str]],
+                 right: tuple[str, ...] = ()) -> None:
+    """A rich table on stdout; ``right``: the columns of figures."""
     from rich.table import Table
 
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="right" if column in right else "left",
+                         overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    _stdout().print(table)
+
+
+def _print_certificate(cert: Certificate, where: Path) -> None:
     from conformance.report import headline
 
-    table = Table(title=f"specgate certificate for {cert.backend['name']} "
-                        f"{cert.backend['version']}, spec {cert.spec}: {headline(cert)}")
-    for column in ("tier", "passed", "failed", "not claimed", "skipped", "seconds", "status"):
-        table.add_column(column, justify="left" if column in ("tier", "status") else "right")
+    counts = ("passed", "failed", "not claimed", "skipped")
+    rows = []
     for t in cert.tiers:
         style = {"failed": "bold red", "passed": "green"}.get(t.status, "yellow")
-        table.add_row(t.tier, *(str(t.counts[o]) for o in ("passed", "failed", "not claimed",
-                                                            "skipped")),
-                      f"{t.seconds:.1f}", f"[{style}]{t.status}[/]")
+        rows.append([t.tier, *(str(t.counts[o]) for o in counts), f"{t.seconds:.1f}",
+                     f"[{style}]{t.status}[/]"])
+    _print_table(f"specgate certificate for {cert.backend['name']} {cert.backend['version']}, "
+                 f"spec {cert.spec}: {headline(cert)}",
+                 ["tier", *counts, "seconds", "status"], rows, right=(*counts, "seconds"))
     out = _stdout()
-    out.print(table)
     for t in cert.tiers:
         for why, n in t.not_run.items():
             out.print(f"  {t.tier}: {n} check(s) {why}", markup=False)
@@ -142,24 +153,9 @@ def _print_certificate(cert: Certificate, where: Path) -> None:
               f"{where / 'junit.xml'}", markup=False)
 
 
-def _print_summary(certs: list[Certificate]) -> None:
-    from rich.table import Table
-
-    from conformance.report import headline
-
-    tiers = sorted({t.tier for c in certs for t in c.tiers})
-    table = Table(title="specgate certify: every spec")
-    for column in ("spec", "result", *tiers):
-        table.add_column(column)
-    for c in certs:
-        status = {t.tier: t.status for t in c.tiers}
-        table.add_row(c.spec, headline(c), *(status.get(t, "—") for t in tiers))
-    _stdout().print(table)
-
-
 def cmd_certify(args: argparse.Namespace) -> int:
     from conformance.progress import stderr_console
-    from conformance.report import summary_markdown
+    from conformance.report import summary_markdown, summary_rows
     from conformance.report_dir import ReportDir, ReportDirError
     from conformance.specs import resolve_specs
 
@@ -185,7 +181,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
             ran_all = True
         if args.spec == "all" and certs:
             (target.staging / "summary.md").write_text(summary_markdown(certs))
-            _print_summary(certs)
+            _print_table("specgate certify: every spec", *summary_rows(certs))
         target.commit()
     except BaseException:
         target.discard()  # the previous report stays, whole
@@ -251,16 +247,10 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        from rich.table import Table
-
-        table = Table(title=f"specgate mutants: {len(rows) - len(survived)} of {len(rows)} "
-                            "killed")
-        for column in ("mutant", "spec", "bug class", "status", "killed by"):
-            table.add_column(column, overflow="fold")
-        for r in rows:
-            table.add_row(r["mutant"], r["spec"], r["bug_class"], r["status"],
-                          r["killed_by"] or "—")
-        _stdout().print(table)
+        _print_table(f"specgate mutants: {len(rows) - len(survived)} of {len(rows)} killed",
+                     ["mutant", "spec", "bug class", "status", "killed by"],
+                     [[r["mutant"], r["spec"], r["bug_class"], r["status"],
+                       r["killed_by"] or "—"] for r in rows])
     return 1 if survived else 0
 
 

@@ -192,14 +192,20 @@ def indent_junit(path: Path) -> None:
     tree.write(path, encoding="utf-8", xml_declaration=True)
 
 
-def summary_markdown(certs: list[Certificate]) -> str:
-    """One table for a run over several specs: each spec's status and its tiers' statuses."""
+def summary_rows(certs: list[Certificate]) -> tuple[list[str], list[list[str]]]:
+    """A run over several specs, one row per spec: its result and its tiers' statuses."""
     tiers = sorted({t.tier for c in certs for t in c.tiers})
-    lines = ["# specgate certificates, every spec", "",
-             "| spec | result | " + " | ".join(tiers) + " |", "|---|---|" + "---|" * len(tiers)]
+    rows = []
     for c in certs:
         status = {t.tier: t.status for t in c.tiers}
-        lines.append(f"| {c.spec} | **{headline(c)}** | "
-                     + " | ".join(status.get(t, "—") for t in tiers) + " |")
+        rows.append([c.spec, headline(c), *(status.get(t, "—") for t in tiers)])
+    return ["spec", "result", *tiers], rows
+
+
+def summary_markdown(certs: list[Certificate]) -> str:
+    columns, rows = summary_rows(certs)
+    lines = ["# specgate certificates, every spec", "", "| " + " | ".join(columns) + " |",
+             "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     lines += ["", "Each spec's certificate is in its own directory (`<spec>/report.md`)."]
     return "\n".join(lines) + "\n"

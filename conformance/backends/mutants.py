@@ -27,6 +27,7 @@ from conformance.backends.refengine import RefEngineBackend
 from refengine import Engine
 from refengine.events import Event, TokenEvent
 from refengine.memory.manager import KVManager
+from refengine.memory.view import ceil_page
 from refengine.model.attention import AttentionMetadata
 from refengine.output import OutputProcessor
 from refengine.request import FinishReason, Req
@@ -318,7 +319,7 @@ class _AbortKeepsReservation(KVManager):
         if req.finish_reason == "abort" and req.row is not None:
             # BUG: the abort path frees only what is committed; the reservation past it is
             # forgotten, never returned to the pool.
-            req.kv_allocated_len = -(-req.kv_committed_len // self.page_size) * self.page_size
+            req.kv_allocated_len = ceil_page(req.kv_committed_len, self.page_size)
         super().release(req)
 
 

@@ -19,7 +19,13 @@ import torch
 from refengine.memory.allocator import TokenAllocator
 from refengine.memory.kv_pool import KVPool
 from refengine.memory.req_to_token import ReqToTokenPool
-from refengine.memory.view import MemoryView, ReqKV, bounds_error, conservation_error
+from refengine.memory.view import (
+    MemoryView,
+    ReqKV,
+    bounds_error,
+    ceil_page,
+    conservation_error,
+)
 from refengine.request import Req
 
 
@@ -129,14 +135,19 @@ class KVManager:
             self.kv.k[:, dst] = self.kv.k[:, src]
             self.kv.v[:, dst] = self.kv.v[:, src]
 
+    def reserve_need(self, req: Req, reserve_tokens: int) -> int:
+        """Positions past its allocation ``reserve_for_decode`` will add for ``req``."""
+        want = ceil_page(req.kv_committed_len + 1 + reserve_tokens, self.page_size)
+        return max(0, want - req.kv_allocated_len)
+
     def reserve_for_decode(self, req: Req, reserve_tokens: int) -> None:
-        """Overlap scheduling, at schedule time: pre-claim the slot of the root (the token the
-        step's verify writes first, committed by every verify) and reserve up to
-        ``committed + reserve_tokens`` positions, page-aligned. The step's forwards then only
-        use reserved slots; resolution commits the rest of the accepted run."""
-        want = -(-(req.kv_committed_len + 1 + reserve_tokens) // self.page_size) * self.page_size
-        if want > req.kv_allocated_len:
-            self.extend(req, want - req.kv_allocated_len)
+        """Overlap scheduling, at schedule time: reserve up to ``committed + 1 +
+        reserve_tokens`` positions, page-aligned, and pre-claim the slot of the root (the token
+        the step's verify writes first, committed by every verify). The step's forwards then
+        only use reserved slots; resolution commits the rest of the accepted run."""
+        need = self.reserve_need(req, reserve_tokens)
+        if need:
+            self.extend(req, need)
         self.commit(req, 1)
 
     def truncate(self, req: Req, keep_tokens: int) -> None:

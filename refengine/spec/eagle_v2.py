@@ -57,9 +57,7 @@ class EagleV2Worker(EagleV1Worker):
         return 1 + self.reserve_tokens
 
     def decode_need(self, req: Req) -> int:
-        ps = self.kv.page_size
-        want = -(-(req.kv_committed_len + 1 + self.reserve_tokens) // ps) * ps
-        return max(0, want - req.kv_allocated_len)
+        return self.kv.reserve_need(req, self.reserve_tokens)
 
     def prepare_for_decode(self, reqs: list[Req]) -> None:
         for req in reqs:
@@ -112,7 +110,7 @@ class EagleV2Worker(EagleV1Worker):
     def _done_before_launch(self, req: Req) -> bool:
         """The unresolved step already took ``req`` to its length limit: it finishes when that
         step is resolved, so this step's work for it would be thrown away as stale."""
-        emitted = self.seq[req.rid] - len(req.prompt_ids) + 1  # the root is output too
+        emitted = self.output_index(req)  # outputs so far, the root included
         return (emitted >= req.params.max_new_tokens
                 or self.seq[req.rid] + 1 >= self.runner.target.config.max_position_embeddings)
 
