@@ -24,6 +24,7 @@ from refengine.config import EngineConfig, SamplingParams
 from refengine.data import resolve_model_dir
 from refengine.events import Event, FinishEvent, RetractEvent
 from refengine.memory.manager import KVManager
+from refengine.memory.sessions import SessionStore
 from refengine.memory.view import MemoryView, ceil_page
 from refengine.model.eagle import EagleDraftModel
 from refengine.model.llama import LlamaForCausalLM
@@ -94,7 +95,9 @@ class Engine:
             config.retract_every, (lambda req: 1) if self.worker is None
             else self.worker.decode_need)
         self._live: dict[str, Req] = {}
-        self.output = self.output_class(self.kv, self.scheduler, self.worker, self._live,
+        self.sessions = SessionStore(self.kv)
+        self.output = self.output_class(self.kv, self.scheduler, self.worker, self.sessions,
+                                        self._live,
                                         self.tokenizer.decode, self.eos_token_id,
                                         self.max_context_len)
         self._pending: list[Event] = []
@@ -125,12 +128,15 @@ class Engine:
 
     def add_request(self, rid: str, prompt: Prompt, params: SamplingParams | None = None,
                     session_id: str | None = None) -> None:
+        """Queue a request. With ``session_id`` it is the session's next turn: ``prompt``
+        holds only the new tokens, the session's context goes before them, and its KV is
+        reused rather than prefilled again."""
         params = params or SamplingParams()
-        if session_id is not None:
-            raise ValueError("session_id: streaming sessions are not implemented yet")
         if rid in self._live:
             raise ValueError(f"rid: request {rid!r} is already live")
         ids = self.tokenize(prompt)
+        if session_id is not None:
+            ids = self.sessions.context(session_id, rid) + ids
         if len(ids) >= self.max_context_len:
             raise ValueError(f"prompt: {len(ids)} tokens exceed the context length "
                              f"{self.max_context_len} (room for at least one new token needed)")
@@ -142,7 +148,9 @@ class Engine:
                              f"the pool holds {self.kv.capacity}")
         seed = params.seed if params.seed is not None else (
             self.config.seed * 7919 + zlib.crc32(rid.encode())) % (2**31)
-        req = Req(rid, ids, params, seed, self._arrivals)
+        req = Req(rid, ids, params, seed, self._arrivals, session_id=session_id)
+        if session_id is not None:
+            self.sessions.begin_turn(session_id, req)
         self._arrivals += 1
         self._live[rid] = req
         self.scheduler.add(req)
@@ -166,9 +174,13 @@ class Engine:
         launched = None
         with self.clock.timed("schedule"):
             batch = self.scheduler.schedule()
+            claimed: list[Req] = []
             if (batch is not None and batch.mode == "decode" and batch.reqs
                     and self.worker is not None):
-                self.worker.prepare_for_decode(batch.reqs)
+                claimed = self.worker.prepare_for_decode(batch.reqs)
+            # From here until this step is resolved, a request of it that finishes keeps its
+            # KV (pre-claim included) until the step's stale result rolls the pre-claim back.
+            self.output.claimed = set(claimed)
         running: Future[StepResult] | None = None
         if batch is not None:
             for r in batch.retracted:
@@ -195,7 +207,7 @@ class Engine:
         elif launched is not None:
             self.output.resolve(launched, events)
         if self.config.strict_mem_check:
-            self.kv.strict_check(list(self._live.values()), self.reserve_bound)
+            self.kv.strict_check(self.memory())
         return events
 
     def launch(self, batch: ScheduledBatch) -> StepResult:
@@ -230,7 +242,8 @@ class Engine:
                           list(lens))
 
     def has_work(self) -> bool:
-        return bool(self._live) or bool(self._pending)
+        """Live requests, events not yet returned, or a launched step not yet resolved."""
+        return bool(self._live) or bool(self._pending) or self._in_flight is not None
 
     def generate(self, prompts: Sequence[Prompt] | Prompt,
                  params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -277,7 +290,10 @@ class Engine:
             self.kv.release(req)
 
     def memory(self) -> MemoryView:
-        return self.kv.view(list(self._live.values()), self.reserve_bound)
+        held = [self.sessions.held(), self.output.held()]
+        return self.kv.view(list(self._live.values()), self.reserve_bound,
+                            held=sum(slots for slots, _ in held),
+                            rows_held=sum(rows for _, rows in held))
 
     @property
     def reserve_bound(self) -> int:
@@ -291,7 +307,10 @@ class Engine:
         return self.clock.seconds
 
     def open_session(self, session_id: str) -> None:
-        raise NotImplementedError("streaming sessions are not implemented yet")
+        """Open a streaming session: requests naming it are its turns, one live at a time,
+        each continuing the KV of the turns before it (``refengine/memory/sessions.py``)."""
+        self.sessions.open(session_id)
 
     def close_session(self, session_id: str) -> None:
-        raise NotImplementedError("streaming sessions are not implemented yet")
+        """Free everything the session holds; its turn must have finished or been aborted."""
+        self.sessions.close(session_id)

@@ -22,6 +22,7 @@ class FinishEvent:
     output_ids: tuple[int, ...]
     text: str = ""
     accept_lens: tuple[int, ...] = ()  # tokens emitted per verify step; () for plain decoding
+    cached_tokens: int = 0  # prompt positions whose KV came from the session's earlier turns
 
 
 @dataclass(frozen=True)

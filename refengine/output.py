@@ -16,6 +16,8 @@ from contextlib import contextmanager
 
 from refengine.events import Event, FinishEvent, TokenEvent
 from refengine.memory.manager import KVManager
+from refengine.memory.sessions import SessionStore
+from refengine.memory.view import ceil_page
 from refengine.request import FinishReason, Req, ReqStatus
 from refengine.scheduler import Scheduler
 from refengine.spec.worker import SpecWorker
@@ -25,22 +27,29 @@ from refengine.stopping import finish_reason, stop_string_cut
 
 class OutputProcessor:
     def __init__(self, kv: KVManager, scheduler: Scheduler, worker: SpecWorker | None,
-                 live: dict[str, Req], decode: Callable[[list[int]], str], eos_token_id: int,
+                 sessions: SessionStore, live: dict[str, Req],
+                 decode: Callable[[list[int]], str], eos_token_id: int,
                  max_context_len: int) -> None:
         self.kv = kv
         self.scheduler = scheduler
         self.worker = worker
+        self.sessions = sessions
         self.live = live
         self.decode = decode
         self.eos_token_id = eos_token_id
         self.max_context_len = max_context_len
         self._deferred: list[Req] | None = None
+        # Overlap scheduling: the requests whose root the newest unresolved step pre-claimed.
+        # One of them that finishes meanwhile is parked: its KV is released (after that
+        # step's stale result rolled the pre-claim back) when that step is resolved.
+        self.claimed: set[Req] = set()
+        self._parked: set[Req] = set()
 
     @contextmanager
     def deferring_release(self) -> Iterator[None]:
         """While a launched step runs on another thread it reads its requests' rows, slots and
-        draft state: a request finishing meanwhile has its KV released and its draft state
-        dropped only when the bracket ends (after the caller joined that step)."""
+        draft state: a release due meanwhile happens only when the bracket ends (after the
+        caller joined that step)."""
         self._deferred = []
         try:
             yield
@@ -49,35 +58,63 @@ class OutputProcessor:
             for req in deferred:
                 self._release(req)
 
+    def held(self) -> tuple[int, int]:
+        """Slots and rows of finished requests whose release waits (see ``claimed``)."""
+        waiting = [*self._parked, *(self._deferred or ())]
+        return (sum(ceil_page(r.kv_allocated_len, self.kv.page_size) for r in waiting
+                    if r.row is not None), sum(r.row is not None for r in waiting))
+
     def _release(self, req: Req) -> None:
-        self.scheduler.remove(req)
+        if self._deferred is not None:
+            self._deferred.append(req)
+            return
+        if req.session_id is not None:
+            self.sessions.end_turn(req)
+        else:
+            self.kv.release(req)
         if self.worker is not None:
             self.worker.drop(req.rid)
 
     def resolve(self, result: StepResult, events: list[Event]) -> None:
-        if result.verify is None:
-            for req, n in zip(result.reqs, result.written, strict=True):
-                self.kv.commit(req, n)
-            for req, tokens in zip(result.reqs, result.tokens, strict=True):
-                if tokens:
-                    req.status = ReqStatus.DECODE
-                    self.emit(req, tokens, events)
-            return
-        assert self.worker is not None
         kept: list[int] = []
         for i, req in enumerate(result.reqs):
             if self.is_stale(result, i):
                 continue  # finished, aborted or retracted since launch: nothing of it applies
-            self.emit(req, result.tokens[i], events, verify_step=True)
-            if req.status is ReqStatus.FINISHED:
-                continue
-            accepted = result.verify.nodes[i]
-            if result.overlap:  # KV already in place; the root's slot was pre-claimed
-                self.kv.commit(req, len(accepted) - 1)
+            tokens = result.tokens[i]
+            before = len(req.output_ids)
+            reason = self.append(req, tokens)
+            if result.verify is None:
+                self.kv.commit(req, result.written[i])
+                if tokens:
+                    req.status = ReqStatus.DECODE
             else:
-                self.kv.commit_path(req, accepted)
-            kept.append(i)
-        self.worker.resolved(result, kept)
+                # A stop inside the accepted run ends it there: only the kept part is
+                # committed, so a session keeps exactly the KV of its tokens.
+                run = len(req.output_ids) - before
+                req.accept_lens.append(run)
+                self.commit_run(req, result.verify.nodes[i][:run], result.overlap)
+            if tokens or result.verify is not None:
+                events.append(TokenEvent(req.rid, tuple(req.output_ids[before:])))
+            if reason is not None:
+                self.finish(req, reason, events)
+            elif result.verify is not None:
+                kept.append(i)
+        for req in result.claimed:
+            if req in self._parked:  # finished while this step was in flight
+                self._parked.discard(req)
+                self.kv.unclaim(req)
+                self._release(req)
+        if result.verify is not None:
+            assert self.worker is not None
+            self.worker.resolved(result, kept)
+
+    def commit_run(self, req: Req, nodes: list[int], overlap: bool) -> None:
+        """Commit a verify step's accepted nodes (root first). Under overlap scheduling their
+        KV is already in place and the root's slot was pre-claimed at schedule time."""
+        if overlap:
+            self.kv.commit(req, len(nodes) - 1)
+        else:
+            self.kv.commit_path(req, nodes)
 
     def is_stale(self, result: StepResult, i: int) -> bool:
         return result.stale(i)
@@ -86,32 +123,23 @@ class OutputProcessor:
         return finish_reason(req.params, req.output_ids, req.seq_len, self.eos_token_id,
                              self.max_context_len, self.decode)
 
-    def emit(self, req: Req, tokens: list[int], events: list[Event],
-             verify_step: bool = False) -> int:
-        """Append ``tokens`` one at a time, checking finish conditions after each. A verify
-        step's kept count is recorded in ``accept_lens`` before any finish, so the last verify
-        is counted too. Returns how many tokens were kept."""
-        kept: list[int] = []
-        reason = None
+    def append(self, req: Req, tokens: list[int]) -> FinishReason | None:
+        """Append ``tokens`` one at a time, checking finish conditions after each; the first
+        that holds ends the run there and is returned."""
         for token in tokens:
             req.output_ids.append(token)
-            kept.append(token)
             reason = self.finish_reason(req)
             if reason is not None:
-                break
-        if verify_step:
-            req.accept_lens.append(len(kept))
-        events.append(TokenEvent(req.rid, tuple(kept)))
-        if reason is not None:
-            self.finish(req, reason, events)
-        return len(kept)
+                return reason
+        return None
 
     def finish(self, req: Req, reason: FinishReason, events: list[Event]) -> None:
         req.finish_reason = reason
         req.status = ReqStatus.FINISHED
         del self.live[req.rid]
-        if self._deferred is not None:
-            self._deferred.append(req)
+        self.scheduler.remove(req)
+        if req in self.claimed:
+            self._parked.add(req)
         else:
             self._release(req)
         text = self.decode(req.output_ids)
@@ -119,4 +147,4 @@ class OutputProcessor:
             cut = stop_string_cut(text, req.params.stop)
             text = text if cut is None else text[:cut]
         events.append(FinishEvent(req.rid, reason, tuple(req.output_ids), text,
-                                  tuple(req.accept_lens)))
+                                  tuple(req.accept_lens), req.cached_prefix))

@@ -33,6 +33,8 @@ class Req:
     kv_allocated_len: int = 0          # positions with a reserved slot
     retractions: int = 0
     accept_lens: list[int] = field(default_factory=list)  # tokens emitted per verify step
+    session_id: str | None = None      # a streaming session's turn: keeps its KV at finish
+    cached_prefix: int = 0             # positions whose KV it inherited from earlier turns
 
     @property
     def fill_ids(self) -> list[int]:

@@ -9,7 +9,7 @@ Policy (sglang's, simplified):
   past each request's allocation (1 plain; under speculation the verify block or the draft
   scratch, or what tops up an overlap reservation). If the pool cannot give each request
   that, the newest requests are retracted (KV and row freed, output kept, re-queued at the
-  front) until it can.
+  front) until it can. A retracted session turn keeps the prefix it inherited (and its row).
 - test hook ``retract_every = n``: every n-th decode step retracts the middle decoding request
   first (sglang's forced-retract hook; the middle row is the one positional filters get wrong).
 """
@@ -50,12 +50,12 @@ class Scheduler:
         self.waiting.append(req)
 
     def remove(self, req: Req) -> None:
-        """Drop a finished or aborted request and free what it holds."""
+        """Drop a finished or aborted request from the queues (the output processor releases
+        its KV, or keeps it for a session)."""
         if req in self.waiting:
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
-        self.kv.release(req)
 
     def schedule(self) -> ScheduledBatch | None:
         return self._schedule_prefill() or self._schedule_decode()
@@ -77,7 +77,8 @@ class Scheduler:
             pages = self.kv.pages_needed(req, take)
             if pages + head_room > self.kv.allocator.free_page_count:
                 break
-            if fresh and not self.kv.assign_row(req):
+            # A session turn may hold its row already (the inherited prefix)
+            if fresh and req.row is None and not self.kv.assign_row(req):
                 break
             if fresh:
                 self.waiting.remove(req)
@@ -110,7 +111,7 @@ class Scheduler:
 
     def _retract(self, victim: Req) -> Req:
         self.running.remove(victim)
-        self.kv.release(victim)
+        self.kv.retract(victim)
         victim.status = ReqStatus.WAITING
         victim.retractions += 1
         self.waiting.appendleft(victim)

@@ -151,7 +151,7 @@ def test_view_reports_live_requests(page_size: int) -> None:
     assert (view.requests["a"].committed, view.requests["a"].allocated) == (5, 5)
     assert view.free == kv.capacity - ceil_page(5, page_size)
     assert view.rows_capacity == 4 and view.rows_free == 2
-    kv.strict_check([a, b, idle], reserve_bound=0)  # consistent accounting passes
+    kv.strict_check(kv.view([a, b, idle], reserve_bound=0))  # consistent accounting passes
 
 
 def tampered_pair(page_size: int) -> tuple[KVManager, Req, Req]:
@@ -160,7 +160,7 @@ def tampered_pair(page_size: int) -> tuple[KVManager, Req, Req]:
     for r in (good, victim):
         kv.extend(r, 6)
         r.kv_committed_len = 6
-    kv.strict_check([good, victim], reserve_bound=0)  # untampered: passes
+    kv.strict_check(kv.view([good, victim], reserve_bound=0))  # untampered: passes
     return kv, good, victim
 
 
@@ -175,11 +175,12 @@ def test_strict_check_names_request_with_broken_bounds(page_size: int, tamper: s
     else:
         victim.kv_committed_len -= 1          # allocated - committed = 1 > reserve_bound 0
     with pytest.raises(MemoryCheckError, match=r"^strict_mem_check: M2 bounds") as info:
-        kv.strict_check([good, victim], reserve_bound=0)
+        kv.strict_check(kv.view([good, victim], reserve_bound=0))
     assert "'victim-7'" in str(info.value)
     assert "good" not in str(info.value)
     if tamper == "reserve_exceeded":
-        kv.strict_check([good, victim], reserve_bound=1)  # within a looser bound it is legal
+        # within a looser bound it is legal
+        kv.strict_check(kv.view([good, victim], reserve_bound=1))
 
 
 def test_strict_check_allocated_within_page_is_a_bounds_error() -> None:
@@ -187,7 +188,7 @@ def test_strict_check_allocated_within_page_is_a_bounds_error() -> None:
     kv, good, victim = tampered_pair(4)
     victim.kv_allocated_len += 1
     with pytest.raises(MemoryCheckError, match=r"^strict_mem_check: M2 bounds.*'victim-7'"):
-        kv.strict_check([good, victim], reserve_bound=0)
+        kv.strict_check(kv.view([good, victim], reserve_bound=0))
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -198,7 +199,7 @@ def test_strict_check_catches_slot_leak_or_overcount(page_size: int, delta: int)
     victim.kv_allocated_len += delta
     victim.kv_committed_len += delta
     with pytest.raises(MemoryCheckError, match=r"^strict_mem_check: M1 conservation") as info:
-        kv.strict_check([good, victim], reserve_bound=0)
+        kv.strict_check(kv.view([good, victim], reserve_bound=0))
     owned = ceil_page(6, page_size) + ceil_page(6 + delta, page_size)
     assert f"owned {owned}" in str(info.value)
     assert f"capacity {kv.capacity}" in str(info.value)

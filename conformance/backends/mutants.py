@@ -25,14 +25,12 @@ import torch
 
 from conformance.backends.refengine import RefEngineBackend
 from refengine import Engine
-from refengine.events import Event, TokenEvent
 from refengine.memory.manager import KVManager
 from refengine.memory.view import ceil_page
 from refengine.model.attention import AttentionMetadata
 from refengine.output import OutputProcessor
 from refengine.request import FinishReason, Req
 from refengine.runner import ModelRunner
-from refengine.scheduler import Scheduler
 from refengine.spec.draft_state import DraftState
 from refengine.spec.eagle_v1 import EagleV1Worker
 from refengine.spec.inputs import DraftExtendInput, DraftInput, VerifyInput
@@ -58,22 +56,19 @@ class LeakOnFinish(Engine):
     kv_manager_class = _LeakLastPage
 
 
-class _AbortKeepsRow(Scheduler):
-    def remove(self, req: Req) -> None:
+class _AbortKeepsRow(KVManager):
+    def release(self, req: Req) -> None:
         if req.finish_reason == "abort" and req.row is not None:
-            for queue in (self.waiting, self.running):
-                if req in queue:
-                    queue.remove(req)
-            self.kv.truncate(req, 0)
+            self.truncate(req, 0)
             req.row = None  # the row is dropped without going back to the pool
             return
-        super().remove(req)
+        super().release(req)
 
 
 class AbortLeaksRow(Engine):
     """Abort returns the KV slots but not the request row."""
 
-    scheduler_class = _AbortKeepsRow
+    kv_manager_class = _AbortKeepsRow
 
 
 class _ReleaseKeepsCommitted(KVManager):
@@ -263,16 +258,9 @@ class RejectedSlotsKeptPaged(Engine):
 
 
 class _ChecksRunOnce(OutputProcessor):
-    def emit(self, req: Req, tokens: list[int], events: list[Event],
-             verify_step: bool = False) -> int:
+    def append(self, req: Req, tokens: list[int]) -> FinishReason | None:
         req.output_ids.extend(tokens)
-        if verify_step:
-            req.accept_lens.append(len(tokens))
-        events.append(TokenEvent(req.rid, tuple(tokens)))
-        reason = self.finish_reason(req)  # sees only the run's last token
-        if reason is not None:
-            self.finish(req, reason, events)
-        return len(tokens)
+        return self.finish_reason(req) if tokens else None  # sees only the run's last token
 
 
 class StopInsideRunIgnored(Engine):
@@ -330,6 +318,32 @@ class AbortLeaksReservation(Engine):
     kv_manager_class = _AbortKeepsReservation
 
 
+class _NoPreClaim(KVManager):
+    def reserve_for_decode(self, req: Req, reserve_tokens: int) -> None:
+        need = self.reserve_need(req, reserve_tokens)
+        if need:
+            self.extend(req, need)
+        # BUG: the root's slot is not pre-claimed; resolution commits the whole run instead
+
+
+class _CommitsWholeRunLate(OutputProcessor):
+    def commit_run(self, req: Req, nodes: list[int], overlap: bool) -> None:
+        if overlap:
+            self.kv.commit(req, len(nodes))  # the root included, one step after its launch
+            return
+        super().commit_run(req, nodes, overlap)
+
+
+class LateCommit(Engine):
+    """Late commit under overlap scheduling: a step's KV (its root included) is committed only
+    when the step is resolved, instead of pre-claiming the root at schedule time. A turn that
+    finishes while its next step is in flight ends one token short, so its streaming session
+    inherits a cached prefix one short."""
+
+    kv_manager_class = _NoPreClaim
+    output_class = _CommitsWholeRunLate
+
+
 @dataclass(frozen=True)
 class Mutant:
     name: str
@@ -357,6 +371,7 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("retract_filter_positional", RetractFilterPositional, spec="eagle"),
     Mutant("stale_result_applied", StaleResultApplied, spec="eagle-v2"),
     Mutant("abort_leaks_reservation", AbortLeaksReservation, spec="eagle-v2"),
+    Mutant("late_commit", LateCommit, spec="eagle-v2"),
 ]}
 
 

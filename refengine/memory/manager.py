@@ -150,16 +150,26 @@ class KVManager:
             self.extend(req, need)
         self.commit(req, 1)
 
+    def unclaim(self, req: Req) -> None:
+        """Undo ``reserve_for_decode``'s pre-claim: the step it was made for was never
+        resolved for ``req`` (the request finished while that step was in flight)."""
+        if req.kv_committed_len < 1:
+            raise RuntimeError(f"request {req.rid!r}: no pre-claimed slot to roll back")
+        req.kv_committed_len -= 1
+
     def truncate(self, req: Req, keep_tokens: int) -> None:
         """Release reserved positions beyond ``keep_tokens`` (whole pages only)."""
-        ps = self.page_size
-        keep_pages = -(-keep_tokens // ps)
-        have_pages = -(-req.kv_allocated_len // ps)
-        if have_pages > keep_pages:
-            first = self.rows.table[req.row, keep_pages * ps: have_pages * ps: ps]
-            self.allocator.free_pages((first // ps).tolist())
+        self._free_positions(req.row, keep_tokens, req.kv_allocated_len)
         req.kv_allocated_len = keep_tokens
         req.kv_committed_len = min(req.kv_committed_len, keep_tokens)
+
+    def _free_positions(self, row: int | None, keep_tokens: int, have_tokens: int) -> None:
+        """Free the pages of ``row`` past the ones positions ``0 .. keep_tokens-1`` use."""
+        ps = self.page_size
+        keep_pages, have_pages = -(-keep_tokens // ps), -(-have_tokens // ps)
+        if row is not None and have_pages > keep_pages:
+            first = self.rows.table[row, keep_pages * ps: have_pages * ps: ps]
+            self.allocator.free_pages((first // ps).tolist())
 
     def release(self, req: Req) -> None:
         """Free a request's slots and its row (finish, abort, retraction)."""
@@ -169,18 +179,54 @@ class KVManager:
         self.rows.free_row(req.row)
         req.row = None
 
-    def view(self, live: list[Req], reserve_bound: int) -> MemoryView:
+    def retract(self, req: Req) -> None:
+        """Memory pressure: free what ``req`` holds, except a session turn's inherited prefix
+        (earlier turns' KV), which it keeps with its row and re-prefills from."""
+        if req.cached_prefix:
+            self.truncate(req, req.cached_prefix)
+        else:
+            self.release(req)
+
+    # --- streaming sessions: a row and its committed prefix outlive the request ---------------
+
+    def lend(self, req: Req, row: int, cached: int) -> None:
+        """A session's next turn takes over the row holding ``cached`` committed positions."""
+        req.row = row
+        req.kv_allocated_len = req.kv_committed_len = req.cached_prefix = cached
+
+    def keep(self, req: Req, length: int) -> int | None:
+        """A session turn ends: keep its first ``length`` committed positions (and their row)
+        for the session, free the rest; returns the row, or None when nothing is kept."""
+        if length > req.kv_committed_len:
+            raise RuntimeError(f"request {req.rid!r}: keeping {length} positions, only "
+                               f"{req.kv_committed_len} committed")
+        if length == 0:
+            self.release(req)
+            return None
+        self.truncate(req, length)
+        row, req.row = req.row, None
+        req.kv_allocated_len = req.kv_committed_len = 0
+        return row
+
+    def free_kept(self, row: int, length: int) -> None:
+        """Close a session: free the row ``keep`` returned and its ``length`` positions."""
+        self._free_positions(row, 0, length)
+        self.rows.free_row(row)
+
+    def view(self, live: list[Req], reserve_bound: int, held: int = 0,
+             rows_held: int = 0) -> MemoryView:
+        """``held``/``rows_held``: slots and rows owned by no live request (sessions' kept KV,
+        finished requests whose release waits for an in-flight step)."""
         return MemoryView(
-            capacity=self.capacity, free=self.allocator.free_slots, held=0,
+            capacity=self.capacity, free=self.allocator.free_slots, held=held,
             page_size=self.page_size,
             requests={r.rid: ReqKV(r.kv_committed_len, r.kv_allocated_len, r.kv_phase)
                       for r in live if r.row is not None},
-            rows_capacity=self.rows.rows, rows_free=self.rows.free_rows, rows_held=0,
+            rows_capacity=self.rows.rows, rows_free=self.rows.free_rows, rows_held=rows_held,
             reserve_bound=reserve_bound)
 
-    def strict_check(self, live: list[Req], reserve_bound: int) -> None:
+    def strict_check(self, view: MemoryView) -> None:
         """M6: M1 and M2 inside the engine, naming the request and the numbers."""
-        view = self.view(live, reserve_bound)
         problem = conservation_error(view) or bounds_error(view)
         if problem:
             raise MemoryCheckError(f"strict_mem_check: {problem}")

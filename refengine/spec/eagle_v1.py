@@ -114,8 +114,9 @@ class EagleV1Worker:
     def decode_need(self, req: Req) -> int:
         return self.lookahead  # V1 allocates while it runs, from what the request holds
 
-    def prepare_for_decode(self, reqs: list[Req]) -> None:
+    def prepare_for_decode(self, reqs: list[Req]) -> list[Req]:
         """Nothing to reserve ahead: drafting and verify allocate as they go."""
+        return []
 
     @property
     def reserve_bound(self) -> int:

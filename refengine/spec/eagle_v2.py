@@ -59,9 +59,10 @@ class EagleV2Worker(EagleV1Worker):
     def decode_need(self, req: Req) -> int:
         return self.kv.reserve_need(req, self.reserve_tokens)
 
-    def prepare_for_decode(self, reqs: list[Req]) -> None:
+    def prepare_for_decode(self, reqs: list[Req]) -> list[Req]:
         for req in reqs:
             self.kv.reserve_for_decode(req, self.reserve_tokens)
+        return list(reqs)
 
     @property
     def reserve_bound(self) -> int:
@@ -115,9 +116,10 @@ class EagleV2Worker(EagleV1Worker):
                 or self.seq[req.rid] + 1 >= self.runner.target.config.max_position_embeddings)
 
     def launch(self, reqs: list[Req]) -> StepResult:
+        claimed = reqs
         reqs = [r for r in reqs if not self._done_before_launch(r)]
         if not reqs:
-            return StepResult([], [], [], overlap=True, generations=[])
+            return StepResult([], [], [], overlap=True, generations=[], claimed=claimed)
         generations = [r.retractions for r in reqs]
         with self.clock.timed("draft"):
             verify_input = self.draft(reqs, self.draft_state.aligned([r.rid for r in reqs]))
@@ -130,7 +132,7 @@ class EagleV2Worker(EagleV1Worker):
                 self.seq[req.rid] = root + len(accepted)
             self.install_next(reqs, self.extend_input(outcome, list(range(len(reqs)))))
         return StepResult(reqs, outcome.emitted, [], outcome, overlap=True,
-                          generations=generations)
+                          generations=generations, claimed=claimed)
 
     def resolved(self, result: StepResult, kept: list[int]) -> None:
         """Draft-extend ran inside the launched step; nothing is left to do."""

@@ -28,9 +28,10 @@ class SpecWorker(Protocol):
         """KV positions past its allocation ``req`` needs for the next decode step (the
         scheduler retracts until every decoding request can have them)."""
 
-    def prepare_for_decode(self, reqs: list[Req]) -> None:
+    def prepare_for_decode(self, reqs: list[Req]) -> list[Req]:
         """Schedule-side allocation for a decode batch about to launch (overlap scheduling
-        reserves here, so the launched step never allocates)."""
+        reserves here, so the launched step never allocates). Returns the requests whose root
+        slot it pre-claimed (committed ahead of the step's resolution)."""
 
     @property
     def reserve_bound(self) -> int:
