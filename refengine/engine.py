@@ -178,9 +178,7 @@ class Engine:
             if (batch is not None and batch.mode == "decode" and batch.reqs
                     and self.worker is not None):
                 claimed = self.worker.prepare_for_decode(batch.reqs)
-            # From here until this step is resolved, a request of it that finishes keeps its
-            # KV (pre-claim included) until the step's stale result rolls the pre-claim back.
-            self.output.claimed = set(claimed)
+            self.output.claimed = set(claimed)  # until this step is resolved
         running: Future[StepResult] | None = None
         if batch is not None:
             for r in batch.retracted:
@@ -242,8 +240,7 @@ class Engine:
                           list(lens))
 
     def has_work(self) -> bool:
-        """Live requests, events not yet returned, or a launched step not yet resolved."""
-        return bool(self._live) or bool(self._pending) or self._in_flight is not None
+        return bool(self._live) or bool(self._pending)
 
     def generate(self, prompts: Sequence[Prompt] | Prompt,
                  params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -290,10 +287,8 @@ class Engine:
             self.kv.release(req)
 
     def memory(self) -> MemoryView:
-        held = [self.sessions.held(), self.output.held()]
-        return self.kv.view(list(self._live.values()), self.reserve_bound,
-                            held=sum(slots for slots, _ in held),
-                            rows_held=sum(rows for _, rows in held))
+        held, rows_held = self.sessions.held()
+        return self.kv.view(list(self._live.values()), self.reserve_bound, held, rows_held)
 
     @property
     def reserve_bound(self) -> int:

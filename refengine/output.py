@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from refengine.events import Event, FinishEvent, TokenEvent
 from refengine.memory.manager import KVManager
 from refengine.memory.sessions import SessionStore
-from refengine.memory.view import ceil_page
 from refengine.request import FinishReason, Req, ReqStatus
 from refengine.scheduler import Scheduler
 from refengine.spec.worker import SpecWorker
@@ -39,11 +38,11 @@ class OutputProcessor:
         self.eos_token_id = eos_token_id
         self.max_context_len = max_context_len
         self._deferred: list[Req] | None = None
-        # Overlap scheduling: the requests whose root the newest unresolved step pre-claimed.
-        # One of them that finishes meanwhile is parked: its KV is released (after that
-        # step's stale result rolled the pre-claim back) when that step is resolved.
+        # Overlap scheduling: the requests whose root slot the newest launched, unresolved
+        # step pre-claimed. One that finishes before that step is resolved gives the claim
+        # back at its finish, so its committed KV is exactly its tokens' (what a session
+        # keeps); the step's result for it is then stale and changes nothing.
         self.claimed: set[Req] = set()
-        self._parked: set[Req] = set()
 
     @contextmanager
     def deferring_release(self) -> Iterator[None]:
@@ -57,12 +56,6 @@ class OutputProcessor:
             deferred, self._deferred = self._deferred, None
             for req in deferred:
                 self._release(req)
-
-    def held(self) -> tuple[int, int]:
-        """Slots and rows of finished requests whose release waits (see ``claimed``)."""
-        waiting = [*self._parked, *(self._deferred or ())]
-        return (sum(ceil_page(r.kv_allocated_len, self.kv.page_size) for r in waiting
-                    if r.row is not None), sum(r.row is not None for r in waiting))
 
     def _release(self, req: Req) -> None:
         if self._deferred is not None:
@@ -99,11 +92,6 @@ class OutputProcessor:
                 self.finish(req, reason, events)
             elif result.verify is not None:
                 kept.append(i)
-        for req in result.claimed:
-            if req in self._parked:  # finished while this step was in flight
-                self._parked.discard(req)
-                self.kv.unclaim(req)
-                self._release(req)
         if result.verify is not None:
             assert self.worker is not None
             self.worker.resolved(result, kept)
@@ -139,9 +127,9 @@ class OutputProcessor:
         del self.live[req.rid]
         self.scheduler.remove(req)
         if req in self.claimed:
-            self._parked.add(req)
-        else:
-            self._release(req)
+            self.claimed.discard(req)
+            self.kv.unclaim(req)
+        self._release(req)
         text = self.decode(req.output_ids)
         if reason == "stop" and req.params.stop:
             cut = stop_string_cut(text, req.params.stop)

@@ -6,7 +6,7 @@ the two apart is what lets a step be resolved after the next one was launched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from refengine.request import Req, ReqStatus
@@ -27,9 +27,6 @@ class StepResult:
     # retracted in between (its retraction count moved) or finished gets nothing from it.
     overlap: bool = False
     generations: list[int] | None = None  # each request's retraction count at launch
-    # Overlap scheduling: every request whose root slot was pre-claimed for this step (those it
-    # ran, and any it skipped because the unresolved step finishes them).
-    claimed: list[Req] = field(default_factory=list)
 
     def stale(self, i: int) -> bool:
         req = self.reqs[i]

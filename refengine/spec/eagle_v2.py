@@ -15,8 +15,9 @@ What changes against V1:
   This map is the "future" the next batch reads; the engine's request state is not.
 * **Resolution one step late** (``OutputProcessor``): ``committed += accepted - 1`` (the root
   was pre-claimed), and a stale result (its request finished, was aborted or retracted since
-  launch) changes nothing. A retracted request's KV was released with it; a finished one's is
-  freed by the release at its finish.
+  launch) changes nothing. A retracted request's KV was released with it. A request finishing
+  while a step that pre-claimed its root is in flight gives that claim back at its finish, so
+  its committed length is exactly ``prompt + output - 1`` (what a streaming session keeps).
 
 Between steps a request may hold up to ``2L + page_size - 1`` positions past its committed end
 (``reserve_bound``), and a decoding request in flight has pre-claimed its root, so its committed
@@ -116,10 +117,9 @@ class EagleV2Worker(EagleV1Worker):
                 or self.seq[req.rid] + 1 >= self.runner.target.config.max_position_embeddings)
 
     def launch(self, reqs: list[Req]) -> StepResult:
-        claimed = reqs
         reqs = [r for r in reqs if not self._done_before_launch(r)]
         if not reqs:
-            return StepResult([], [], [], overlap=True, generations=[], claimed=claimed)
+            return StepResult([], [], [], overlap=True, generations=[])
         generations = [r.retractions for r in reqs]
         with self.clock.timed("draft"):
             verify_input = self.draft(reqs, self.draft_state.aligned([r.rid for r in reqs]))
@@ -132,7 +132,7 @@ class EagleV2Worker(EagleV1Worker):
                 self.seq[req.rid] = root + len(accepted)
             self.install_next(reqs, self.extend_input(outcome, list(range(len(reqs)))))
         return StepResult(reqs, outcome.emitted, [], outcome, overlap=True,
-                          generations=generations, claimed=claimed)
+                          generations=generations)
 
     def resolved(self, result: StepResult, kept: list[int]) -> None:
         """Draft-extend ran inside the launched step; nothing is left to do."""
