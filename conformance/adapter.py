@@ -40,6 +40,8 @@ class Capabilities:
     # Extensions beyond the core adapter (docs/decisions.md):
     forced_retract: bool = False     # honours OpenConfig.retract_every (a test hook)
     kernels: bool = False            # exposes kernel_impls() for the kernel tier
+    in_flight: bool = False          # handle.in_flight(): requests with a launched, unresolved
+                                     # step (overlap scheduling), so the suite can act on them
 
     def __post_init__(self) -> None:
         unknown = set(self.algorithms) - ALGORITHMS

@@ -2,12 +2,16 @@
 
 After each ``step()`` it checks the event stream (tokens only for live requests, one finish per
 request, finish output == the tokens streamed) and, when the backend claims ``memory_view``,
-the memory invariants M1-M3; whenever nothing is live, M4/M5. A run that stops making progress
-fails instead of hanging.
+the memory invariants M1-M3; whenever nothing is live, M4 (and M5 once no session is open). For
+a streaming session's turn it knows the whole context (earlier turns' prompts and outputs, then
+the turn's new tokens) and checks the inherited KV the turn reports: exactly the context before
+it minus its final token, the previous turn's completion included. A run that stops making
+progress fails instead of hanging.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,6 +35,7 @@ class Outcome:
     reason: str
     text: str
     accept_lens: list[int]
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -44,12 +49,31 @@ class Driver:
     streamed: dict[str, list[int]] = field(default_factory=dict)
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     live: set[str] = field(default_factory=set)
+    retracted: Counter[str] = field(default_factory=Counter)  # RetractEvents per request
+    contexts: dict[str, list[int]] = field(default_factory=dict)  # open session -> context
+    turns: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # rid -> (session,
+    #                                                                        full prompt)
 
-    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.handle.submit(Request(rid, tuple(prompt_ids), params))
-        self.prompt_lens[rid] = len(prompt_ids)
+    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+               session_id: str | None = None) -> None:
+        """``session_id``: the turn carries only its new tokens; the backend puts the
+        session's context before them."""
+        self.handle.submit(Request(rid, tuple(prompt_ids), params, session_id))
+        full = list(prompt_ids)
+        if session_id is not None:
+            full = self.contexts[session_id] + full
+            self.turns[rid] = (session_id, full)
+        self.prompt_lens[rid] = len(full)
         self.streamed[rid] = []
         self.live.add(rid)
+
+    def open_session(self, session_id: str) -> None:
+        self.handle.open_session(session_id)
+        self.contexts[session_id] = []
+
+    def close_session(self, session_id: str) -> None:
+        self.handle.close_session(session_id)
+        del self.contexts[session_id]
 
     def abort(self, rid: str) -> None:
         self.handle.abort(rid)
@@ -66,7 +90,7 @@ class Driver:
                 check_busy(view, self.prompt_lens,
                            {r: len(t) for r, t in self.streamed.items()}, where, self.overlap)
             else:
-                check_idle(view, f"{where} (idle)")
+                check_idle(view, f"{where} (idle)", sessions_closed=not self.contexts)
         return events
 
     def _record(self, ev: Event, where: str) -> None:
@@ -78,6 +102,7 @@ class Driver:
             self.streamed[ev.rid].extend(ev.token_ids)
         elif isinstance(ev, RetractEvent):
             self.retractions += 1
+            self.retracted[ev.rid] += 1
         elif isinstance(ev, FinishEvent):
             if ev.reason != "abort" and list(ev.output_ids) != self.streamed[ev.rid]:
                 raise InvariantError(f"{where}: request {ev.rid!r} finished with "
@@ -85,7 +110,23 @@ class Driver:
                                      f"{len(self.streamed[ev.rid])} different ones")
             self.live.discard(ev.rid)
             self.outcomes[ev.rid] = Outcome(ev.rid, list(ev.output_ids), ev.reason, ev.text,
-                                            list(ev.accept_lens))
+                                            list(ev.accept_lens), ev.cached_tokens)
+            if ev.rid in self.turns:
+                self._end_turn(ev, where)
+
+    def _end_turn(self, ev: FinishEvent, where: str) -> None:
+        """A session turn finished: check the KV it inherited; a completed turn extends the
+        context, an aborted one leaves it as it was (the session rolls back)."""
+        session_id, full = self.turns[ev.rid]
+        context = self.contexts[session_id]
+        want = max(len(context) - 1, 0)
+        if ev.cached_tokens != want:
+            raise InvariantError(
+                f"{where}: turn {ev.rid!r} of session {session_id!r} reused {ev.cached_tokens} "
+                f"cached tokens, expected {want} (the session's {len(context)}-token context "
+                f"of earlier prompts and completions, minus its final token)")
+        if ev.reason != "abort":
+            self.contexts[session_id] = full + list(ev.output_ids)
 
     def run(self, max_steps: int = 100_000) -> dict[str, Outcome]:
         """Step until every submitted request has finished."""

@@ -239,6 +239,13 @@ class Engine:
         return StepResult(reqs, [[by_rid[r.rid]] if r.rid in by_rid else [] for r in reqs],
                           list(lens))
 
+    def in_flight(self) -> frozenset[str]:
+        """Requests of the launched step not resolved yet (overlap scheduling), finished ones
+        included: its result for a request that finished, is aborted now or retracted at the
+        next schedule is stale and changes nothing."""
+        return frozenset() if self._in_flight is None else frozenset(
+            r.rid for r in self._in_flight.reqs)
+
     def has_work(self) -> bool:
         return bool(self._live) or bool(self._pending)
 

@@ -320,10 +320,11 @@ class AbortLeaksReservation(Engine):
 
 class _NoPreClaim(KVManager):
     def reserve_for_decode(self, req: Req, reserve_tokens: int) -> None:
-        need = self.reserve_need(req, reserve_tokens)
+        # The same reservation end as the reference (committed + 1 + 2L, the root included),
+        # but the root's slot is not pre-claimed: resolution commits the whole run instead.
+        need = self.reserve_need(req, reserve_tokens - 1)
         if need:
             self.extend(req, need)
-        # BUG: the root's slot is not pre-claimed; resolution commits the whole run instead
 
 
 class _CommitsWholeRunLate(OutputProcessor):

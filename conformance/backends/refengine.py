@@ -38,6 +38,10 @@ class RefEngineHandle:
     def close_session(self, session_id: str) -> None:
         self.engine.close_session(session_id)
 
+    def in_flight(self) -> frozenset[str]:
+        """Requests with a launched, unresolved step (capability ``in_flight``)."""
+        return self.engine.in_flight()
+
     def close(self) -> None:
         self.engine = None  # type: ignore[assignment]  # drop the model and KV pool
 
@@ -51,7 +55,7 @@ class RefEngineBackend:
         return Capabilities(algorithms=frozenset({"none", "eagle"}), tree=True, sampling=True,
                             stepwise=True, abort=True, memory_view=True, acceptance_stats=True,
                             reference_draft=True, worker_hooks=True, forced_retract=True,
-                            kernels=True, overlap=True)
+                            kernels=True, overlap=True, sessions=True, in_flight=True)
 
     def kernel_impls(self) -> KernelImpls:
         """Tree kernels for the kernel tier: Triton where it can run (a GPU, or

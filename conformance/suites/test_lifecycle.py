@@ -1,11 +1,15 @@
 """Tier lifecycle: request edges that crash or leak in real engines — tiny outputs, a stop at
-the first token, abort in every phase, arrivals after everything finished, idle to busy."""
+the first token, abort in every phase, arrivals after everything finished, idle to busy; and,
+under overlap scheduling, a request that finishes, is aborted or is retracted while a launched
+step of it is still unresolved (that step's result is stale and must change nothing)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
-from conformance.driver import Driver
+from conformance.driver import Driver, Outcome
 from conformance.plugin import SuiteContext
 from conformance.suites.support import assert_matches_oracle, greedy, open_driver, run_all
 
@@ -148,3 +152,104 @@ def test_abort(sg: SuiteContext, phase: str) -> None:
     want = sg.oracle.greedy(tuple(victim), greedy(24))
     assert streamed == want[:len(streamed)], "tokens streamed before the abort were wrong"
     assert_matches_oracle(sg, outcomes, bystander)
+
+
+# --- stale results: acting on a request while a launched step of it is unresolved -------------
+
+InFlight = Callable[[], frozenset[str]]
+
+
+def _in_flight(sg: SuiteContext, driver: Driver) -> InFlight:
+    """The handle's view of launched, unresolved steps; a configuration without overlap
+    scheduling resolves every step before the next, so these cases do not apply to it."""
+    if not driver.overlap:
+        pytest.skip("not applicable: this configuration resolves every step before the next")
+    return driver.handle.in_flight  # type: ignore[attr-defined,no-any-return]
+
+
+def _assert_acceptance_accounts(driver: Driver, rid: str, outcome: Outcome) -> None:
+    """Every token came from a prefill (one per prefill, re-prefills after retraction too) or
+    from a verify step counted in accept_lens: a stale result counted as acceptance breaks it."""
+    if not driver.caps.acceptance_stats:
+        return
+    prefills = 1 + driver.retracted[rid]
+    assert len(outcome.output_ids) == prefills + sum(outcome.accept_lens), (
+        f"{rid}: {len(outcome.output_ids)} tokens, but {prefills} prefill(s) and verify steps "
+        f"accepting {sum(outcome.accept_lens)} ({outcome.accept_lens}) account for "
+        f"{prefills + sum(outcome.accept_lens)}")
+
+
+@pytest.mark.specgate_requires("stepwise", "abort", "in_flight")
+def test_abort_while_step_in_flight(sg: SuiteContext) -> None:
+    """Abort a decoding request whose next step is launched and unresolved: it gets no token
+    of that step, and its KV (the step's reservation included) is freed."""
+    requests = {c.id: (list(c.ids), greedy(24)) for c in sg.prompts[:3]}
+    victim = next(iter(requests))
+    with open_driver(sg) as driver:
+        in_flight = _in_flight(sg, driver)
+        for rid, (prompt, params) in requests.items():
+            driver.submit(rid, prompt, params)
+        driver.step_until(lambda: len(driver.streamed[victim]) >= 2 and victim in in_flight(),
+                          1000, lambda: f"{victim} never decoded with a step in flight")
+        before = list(driver.streamed[victim])
+        driver.abort(victim)
+        outcomes = driver.run(10_000)
+    assert outcomes[victim].reason == "abort", f"{victim} finished as {outcomes[victim].reason}"
+    assert driver.streamed[victim] == before == outcomes[victim].output_ids, (
+        f"{victim} had {len(before)} tokens when aborted with a step in flight, then streamed "
+        f"{len(driver.streamed[victim]) - len(before)} more and finished with "
+        f"{len(outcomes[victim].output_ids)}")
+    _assert_acceptance_accounts(driver, victim, outcomes[victim])
+    assert_matches_oracle(sg, outcomes, {r: q for r, q in requests.items() if r != victim})
+
+
+@pytest.mark.specgate_requires("stepwise", "in_flight")
+def test_finish_while_step_in_flight(sg: SuiteContext) -> None:
+    """Requests that meet a stop token while their next step is already launched (a length
+    limit the launch can foresee, a stop it cannot): the stale step adds no token, no
+    acceptance and no KV (M1-M4 after every step)."""
+    requests = {}
+    for i, c in enumerate(sg.prompts[:4]):
+        want = sg.oracle.greedy(tuple(c.ids), greedy(24))
+        at = next((j for j in range(3 + i, len(want)) if want[j] not in want[:j]), None)
+        if at is not None:  # the stop lands exactly at output index ``at``
+            requests[c.id] = (list(c.ids), greedy(24, stop_token_ids=(want[at],)))
+    assert len(requests) >= 2, "the prompt set gives too few distinct tokens to place stops"
+    finished_in_flight: set[str] = set()
+    with open_driver(sg) as driver:
+        in_flight = _in_flight(sg, driver)
+        for rid, (prompt, params) in requests.items():
+            driver.submit(rid, prompt, params)
+        while driver.live:
+            driver.step()
+            finished_in_flight |= in_flight() & set(driver.outcomes)
+            assert driver.steps < 10_000, f"no progress: live {sorted(driver.live)}"
+        driver.step()  # resolves the last stale step; the idle checks run after it
+    assert finished_in_flight, (
+        f"no request finished while a launched step of it was unresolved "
+        f"(finished: {sorted(driver.outcomes)}): the stale path went unchecked")
+    for rid in finished_in_flight:
+        _assert_acceptance_accounts(driver, rid, driver.outcomes[rid])
+    assert_matches_oracle(sg, driver.outcomes, requests)
+
+
+@pytest.mark.specgate_requires("stepwise", "forced_retract", "in_flight")
+def test_retract_while_step_in_flight(sg: SuiteContext) -> None:
+    """Forced retraction of requests whose launched step is unresolved: the stale step adds
+    nothing, the request re-prefills and resumes exactly."""
+    requests = {c.id: (list(c.ids), greedy(20)) for c in sg.prompts[:3]}
+    hit: set[str] = set()
+    with open_driver(sg, retract_every=2) as driver:
+        in_flight = _in_flight(sg, driver)
+        for rid, (prompt, params) in requests.items():
+            driver.submit(rid, prompt, params)
+        while driver.live:
+            flying, retracted = in_flight(), dict(driver.retracted)
+            driver.step()
+            hit |= {r for r in flying if driver.retracted[r] > retracted.get(r, 0)}
+            assert driver.steps < 10_000, f"no progress: live {sorted(driver.live)}"
+    assert hit, (f"retract_every=2 retracted {dict(driver.retracted)}, none while a launched "
+                 f"step of it was unresolved: the stale path went unchecked")
+    for rid in requests:
+        _assert_acceptance_accounts(driver, rid, driver.outcomes[rid])
+    assert_matches_oracle(sg, driver.outcomes, requests)
