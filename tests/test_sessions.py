@@ -145,10 +145,11 @@ def test_session_ops_keep_accounting(spec_pair: tuple[Path, Path], ops: list[tup
             engine.open_session(sid)
             contexts[sid] = []
         prompt = [(7 * i + j) % 200 + 3 for j in range(n)]
-        engine.add_request(f"r{i}", prompt, greedy(n + 2), session_id=sid)
-        run = drive(engine, after_step=lambda step, _: engine.abort(f"r{i}")
-                    if op == "abort" and step == 1 else None)
-        fin = run.finishes[f"r{i}"]
+        rid = f"r{i}"
+        engine.add_request(rid, prompt, greedy(n + 2), session_id=sid)
+        run = drive(engine, after_step=(lambda step, _, rid=rid: engine.abort(rid)
+                                        if step == 1 else None) if op == "abort" else None)
+        fin = run.finishes[rid]
         assert fin.cached_tokens == max(len(contexts[sid]) - 1, 0)
         if fin.reason != "abort":
             contexts[sid] += prompt + list(fin.output_ids)
