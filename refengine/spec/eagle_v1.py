@@ -25,7 +25,7 @@ The worker owns its ``DraftState`` and runs every forward through the ``ModelRun
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -43,6 +43,11 @@ from refengine.spec.draft_state import DraftState
 from refengine.spec.inputs import DraftExtendInput, DraftInput, VerifyInput
 from refengine.spec.verify import SampledPath, verify_tree_sampling
 from refengine.step import StepResult
+
+# One draft forward of a step: (step i, node tokens [b*w], their input features [b*w, H],
+# ancestor mask [b, w, >= i*w] or None) -> (logits [b*w, V], predicted features [b*w, H]).
+DraftForward = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor | None],
+                        tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -224,46 +229,55 @@ class EagleV1Worker:
         ``draft_tree`` with ``topk == 1`` (``tests/test_spec_engine.py`` checks it), without
         the beam, score and mask bookkeeping, which costs a decode step as much as a head forward.
         """
-        steps = self.spec.num_steps
-        seq = self.roots(reqs)
-        start = torch.tensor(seq)
         tokens = [din.verified_id, din.topk_index[:, 0]]
         features = din.hidden_states
-        with self.scratch(reqs, steps - 1) as slots:
-            for i in range(1, steps):  # step i's node sits at position s + i - 1
-                fb = self.runner.prepare_draft_step(reqs, tokens[-1], start + (i - 1),
-                                                    slots[:, i - 1], 1, [s + i for s in seq])
-                logits, features = self.runner.forward_draft(fb, features)
+        with self.draft_forwards(reqs, 1) as forward:
+            for i in range(1, self.spec.num_steps):
+                logits, features = forward(i, tokens[-1], features, None)
                 # argmax of the logits: the top-1 of their softmax without computing it
                 tokens.append(torch.argmax(logits, dim=-1))
-        return self._chain.verify_input(torch.stack(tokens, dim=1), start)
+        return self._chain.verify_input(torch.stack(tokens, dim=1),
+                                        torch.tensor(self.roots(reqs)))
+
+    @contextmanager
+    def draft_forwards(self, reqs: list[Req], width: int) -> Iterator[DraftForward]:
+        """The draft's forwards of one step, ``width`` nodes per request: step-i nodes sit at
+        position ``s + i - 1`` and write scratch KV at row positions ``s + (i-1)w ..
+        s + iw - 1``, seeing the committed prefix and (``node_mask``, None: causal) the
+        scratch entries of their ancestors."""
+        steps = self.spec.num_steps
+        seq = torch.tensor(self.roots(reqs))
+        with self.scratch(reqs, width * (steps - 1)) as slots:
+            def forward(i: int, tokens: torch.Tensor, features: torch.Tensor,
+                        node_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                positions = (seq[:, None] + (i - 1)).expand(len(reqs), width).reshape(-1)
+                masks = (None if node_mask is None
+                         else [node_mask[r, :, :i * width] for r in range(len(reqs))])
+                fb = self.runner.prepare_draft_step(
+                    reqs, tokens, positions, slots[:, (i - 1) * width:i * width].reshape(-1),
+                    width, (seq + i * width).tolist(), masks)
+                return self.runner.forward_draft(fb, features)
+            yield forward
 
     def draft_tree(self, reqs: list[Req], din: DraftInput) -> VerifyInput:
-        """Beam search over ``S - 1`` head forwards, then the best ``N - 1`` candidates."""
+        """Beam search over ``S - 1`` draft forwards, then the best ``N - 1`` candidates."""
         k, steps, n = self.spec.topk, self.spec.num_steps, self.spec.num_draft_tokens
         b = len(reqs)
-        seq = torch.tensor(self.roots(reqs))
         scores = [din.topk_p]                    # candidate path scores, flat per step
         cand_tokens = [din.topk_index]
         cand_parents = [torch.full((b, k), -1, dtype=torch.int64)]
         beam_tokens, beam_scores = din.topk_index, din.topk_p
         beam_feat = din.hidden_states[:, None, :].expand(b, k, -1)
         beam_flat = torch.arange(k).expand(b, k)
-        scratch = k * (steps - 1)
-        ancestors = torch.zeros((b, k, max(scratch, 1)), dtype=torch.bool)
+        ancestors = torch.zeros((b, k, max(k * (steps - 1), 1)), dtype=torch.bool)
         offset = k
         own_entry = torch.eye(k, dtype=torch.bool)   # beam node m sees its own scratch entry
-        with self.scratch(reqs, scratch) as scratch_slots:
+        with self.draft_forwards(reqs, k) as forward:
             for i in range(1, steps):
                 node_mask = ancestors.clone()
                 node_mask[:, :, (i - 1) * k:i * k] |= own_entry
-                width = i * k
-                positions = (seq[:, None] + (i - 1)).expand(b, k).reshape(-1)
-                fb = self.runner.prepare_draft_step(
-                    reqs, beam_tokens.reshape(-1), positions,
-                    scratch_slots[:, (i - 1) * k:i * k].reshape(-1), k, (seq + width).tolist(),
-                    [node_mask[r, :, :width] for r in range(b)])
-                logits, predicted = self.runner.forward_draft(fb, beam_feat.reshape(b * k, -1))
+                logits, predicted = forward(i, beam_tokens.reshape(-1),
+                                            beam_feat.reshape(b * k, -1), node_mask)
                 child_p, child_tok = _topk(logits, k)                      # [b*k, k]
                 child_scores = beam_scores[:, :, None] * child_p.view(b, k, k)
                 child_scores = child_scores.reshape(b, k * k)
@@ -280,6 +294,7 @@ class EagleV1Worker:
                 ancestors = torch.gather(node_mask, 1, parent_slot[:, :, None]
                                          .expand(-1, -1, node_mask.shape[-1]))
                 offset += k * k
+        seq = torch.tensor(self.roots(reqs))
         all_scores = torch.cat(scores, dim=1)
         selected = select_candidates(all_scores, n)
         tree = build_tree_reference(din.verified_id, torch.cat(cand_tokens, dim=1),

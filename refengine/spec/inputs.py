@@ -24,6 +24,7 @@ Shapes (``b`` requests, ``k`` = topk, ``N`` = num_draft_tokens incl. the root, `
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Self
 
 import torch
 
@@ -32,23 +33,36 @@ def _rows(tensor: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return tensor.index_select(0, keep)
 
 
+class _PerRequestRows:
+    """A dataclass whose every field holds one row per request: filtered and merged together,
+    so the state follows the batch through finish, abort, retraction and admission."""
+
+    def __post_init__(self) -> None:
+        sizes = {f.name: getattr(self, f.name).shape[0] for f in fields(self)}  # type: ignore
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"{type(self).__name__}: fields disagree on the row count {sizes}")
+
+    @property
+    def batch_size(self) -> int:
+        return int(getattr(self, fields(self)[0].name).shape[0])  # type: ignore[arg-type]
+
+    def filter_batch(self, keep: torch.Tensor) -> Self:
+        """Rows ``keep`` (int64 indices, in the new batch order), every tensor together."""
+        return type(self)(**{f.name: _rows(getattr(self, f.name), keep)
+                             for f in fields(self)})  # type: ignore[arg-type]
+
+    def merge_batch(self, other: Self) -> Self:
+        """This batch's rows followed by ``other``'s."""
+        return type(self)(**{f.name: torch.cat([getattr(self, f.name), getattr(other, f.name)])
+                             for f in fields(self)})  # type: ignore[arg-type]
+
+
 @dataclass
-class DraftInput:
+class DraftInput(_PerRequestRows):
     topk_p: torch.Tensor
     topk_index: torch.Tensor
     hidden_states: torch.Tensor
     verified_id: torch.Tensor
-
-    def __post_init__(self) -> None:
-        b = self.verified_id.shape[0]
-        for f in fields(self):
-            t = getattr(self, f.name)
-            if t.shape[0] != b:
-                raise ValueError(f"DraftInput.{f.name} has {t.shape[0]} rows, expected {b}")
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.verified_id.shape[0])
 
     @classmethod
     def idle(cls, topk: int, hidden_size: int, dtype: torch.dtype) -> DraftInput:
@@ -58,14 +72,20 @@ class DraftInput:
                    hidden_states=torch.empty((0, hidden_size), dtype=dtype),
                    verified_id=torch.empty((0,), dtype=torch.int64))
 
-    def filter_batch(self, keep: torch.Tensor) -> DraftInput:
-        """Rows ``keep`` (int64 indices, in the new batch order), every tensor together."""
-        return DraftInput(**{f.name: _rows(getattr(self, f.name), keep) for f in fields(self)})
 
-    def merge_batch(self, other: DraftInput) -> DraftInput:
-        """This batch's rows followed by ``other``'s."""
-        return DraftInput(**{f.name: torch.cat([getattr(self, f.name), getattr(other, f.name)])
-                             for f in fields(self)})
+@dataclass
+class SeedInput(_PerRequestRows):
+    """Frozen-KV MTP's persistent state between steps: per request the root token
+    (``bonus_tokens [b] int64``) and the target's feature at the position that produced it
+    (``hidden_states [b, H]``). The draft loop's first iteration (the seed) turns it into
+    candidates; nothing else carries over, because the assistant keeps no KV."""
+
+    bonus_tokens: torch.Tensor
+    hidden_states: torch.Tensor
+
+    @classmethod
+    def idle(cls, hidden_size: int, dtype: torch.dtype) -> SeedInput:
+        return cls(torch.empty((0,), dtype=torch.int64), torch.empty((0, hidden_size), dtype=dtype))
 
 
 @dataclass

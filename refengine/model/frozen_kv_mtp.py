@@ -1,0 +1,221 @@
+"""The Frozen-KV MTP assistant: a small recurrent draft network that reads the target's KV.
+
+The assistant owns no KV cache. Each of its decoder layers has query-only attention: it projects
+a query, rotates it with the target's rotary tables and attends over the K and V that the
+target's layer ``kv_layer`` (its last one) already wrote for the request's committed prefix.
+Nothing the assistant computes is ever written to the pool, so drafting needs no draft KV slots,
+no draft-extend pass and no rollback: the committed target KV is all the state there is.
+
+One iteration, per row (target width ``H``, assistant width ``d``):
+
+    e      = target.embed_tokens(x) * sqrt(H)          # the target's embedding, shared
+    z      = pre_projection([e; h])                     # 2H -> d
+    z      = z + o_proj(attn(rope(q_proj(norm(z))), K_target, V_target))   # x num_hidden_layers
+    z      = z + mlp(norm(z))                           #   (pre-norm, SwiGLU)
+    h_next = post_projection(norm(z))                   # d -> H: the recurrent state
+    logits = lm_head(h_next)                            # the assistant's own head, H -> vocab
+
+``h`` is the target's final-norm feature (what its LM head reads) at the position that produced
+``x`` for the first iteration of a decode step, and the assistant's own ``h_next`` after that.
+Every iteration of one step queries from the same position ``p = seq_len - 1`` (``seq_len``: the
+request's committed KV length) and sees exactly the positions ``[0, seq_len)``: the drafted
+tokens have no KV, so what the assistant knows about them travels through ``h`` alone.
+
+Checkpoint layout (``config.json`` with ``architectures: ["FrozenKVMTPAssistant"]``):
+``pre_projection.weight [d, 2H]``, ``layers.{i}.input_layernorm.weight``,
+``layers.{i}.self_attn.{q_proj,o_proj}.weight``, ``layers.{i}.post_attention_layernorm.weight``,
+``layers.{i}.mlp.{gate_proj,up_proj,down_proj}.weight``, ``norm.weight``,
+``post_projection.weight [H, d]``, ``lm_head.weight [vocab, H]``. The token embedding and the
+rotary tables are the target's (shared, not stored); the query heads and head size are the
+target's, since the queries meet the target's keys.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from refengine.memory.kv_pool import KVPool
+from refengine.model.attention import AttentionMetadata, paged_attention
+from refengine.model.llama import LlamaForCausalLM, RMSNorm, RopeAt
+from refengine.model.loader import load_weights
+
+MTP_ARCHITECTURE = "FrozenKVMTPAssistant"
+MTP_MODEL_TYPE = "frozen_kv_mtp"
+
+
+@dataclass(frozen=True)
+class FrozenKVMTPConfig:
+    """The assistant's hyper-parameters (its config.json names)."""
+
+    hidden_size: int            # d, the trunk's width
+    target_hidden_size: int     # H, the width of the features it reads and predicts
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int    # query heads, the target's count
+    num_key_value_heads: int    # the target's KV heads (GQA over its cache)
+    head_dim: int
+    kv_layer: int               # the target layer whose K and V every layer attends over
+    vocab_size: int
+    rms_norm_eps: float
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: Path) -> FrozenKVMTPConfig:
+        if raw.get("model_type") != MTP_MODEL_TYPE:
+            raise ValueError(f"{source}: model_type must be {MTP_MODEL_TYPE!r}, "
+                             f"got {raw.get('model_type')!r}")
+        try:
+            return cls(
+                hidden_size=int(raw["hidden_size"]),
+                target_hidden_size=int(raw["target_hidden_size"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=int(raw["num_attention_heads"]),
+                num_key_value_heads=int(raw["num_key_value_heads"]),
+                head_dim=int(raw["head_dim"]), kv_layer=int(raw["kv_layer"]),
+                vocab_size=int(raw["vocab_size"]), rms_norm_eps=float(raw["rms_norm_eps"]))
+        except KeyError as missing:
+            raise ValueError(f"{source}: missing field {missing}") from None
+        except (TypeError, ValueError) as err:  # e.g. "hidden_size": null or "x"
+            raise ValueError(f"{source}: bad field value ({err})") from None
+
+
+class QueryOnlyAttention(nn.Module):
+    """Attention whose keys and values are someone else's: a query and an output projection,
+    no ``k_proj``/``v_proj``, and no KV write."""
+
+    def __init__(self, cfg: FrozenKVMTPConfig) -> None:
+        super().__init__()
+        self.heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: RopeAt, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, attention: AttentionMetadata) -> torch.Tensor:
+        q = rope.apply(self.q_proj(x).view(x.shape[0], self.heads, self.head_dim))
+        # The pool's keys were rotated at their own positions when the target wrote them, so a
+        # query rotated at its position gives the usual relative-position scores.
+        out = paged_attention(q, k_cache, v_cache, attention, self.head_dim ** -0.5)
+        return self.o_proj(out.flatten(1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MTPLayer(nn.Module):
+    """A pre-norm decoder layer at the assistant's width with query-only attention."""
+
+    def __init__(self, cfg: FrozenKVMTPConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = QueryOnlyAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, rope: RopeAt, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, attention: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class FrozenKVMTPDraftModel(nn.Module):
+    def __init__(self, cfg: FrozenKVMTPConfig, target: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.config = cfg
+        self.pre_projection = nn.Linear(2 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.layers = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_projection = nn.Linear(cfg.hidden_size, cfg.target_hidden_size, bias=False)
+        self.lm_head = nn.Linear(cfg.target_hidden_size, cfg.vocab_size, bias=False)
+        self.embed_scale = math.sqrt(cfg.target_hidden_size)
+        # Shared with the target. Set past nn.Module.__setattr__ so they are not registered as
+        # submodules: they belong to the target's parameters, not the assistant's state dict.
+        object.__setattr__(self, "_embed", target.model.embed_tokens)
+        object.__setattr__(self, "_rotary", target.rotary)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                attention: AttentionMetadata, kv: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting iteration for n rows -> (logits [n, vocab] float32, next hidden [n, H]).
+
+        ``input_ids`` [n]: each row's token; ``hidden`` [n, H]: the target's feature at the
+        position that produced it (first iteration) or the previous ``next hidden``;
+        ``positions`` [n]: ``seq_len - 1``; ``attention``: one query per row over the committed
+        ``[0, seq_len)`` (``AttentionMetadata.build`` with extend length 1 and ``seq_len``,
+        which must be at least 1). ``kv`` is read, never written.
+        """
+        e = self._embed(input_ids) * self.embed_scale
+        x = self.pre_projection(torch.cat([e, hidden.to(e.dtype)], dim=-1))
+        rope = self._rotary.at(positions, x.dtype)
+        layer = self.config.kv_layer
+        k_cache, v_cache = kv.k[layer], kv.v[layer]
+        for block in self.layers:
+            x = block(x, rope, k_cache, v_cache, attention)
+        h_next = self.post_projection(self.norm(x))
+        return self.lm_head(h_next).float(), h_next
+
+    @classmethod
+    def load(cls, path: Path, target: LlamaForCausalLM, dtype: torch.dtype,
+             device: str) -> FrozenKVMTPDraftModel:
+        for name in ("config.json", "model.safetensors"):
+            if not (path / name).is_file():
+                raise FileNotFoundError(f"draft model directory {path} is missing {name}")
+        source = path / "config.json"
+        try:
+            raw = json.loads(source.read_text(encoding="utf-8"))
+        except ValueError as err:  # a JSON error, or bytes that are not UTF-8
+            raise ValueError(f"{source}: not valid JSON ({err})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source}: a JSON {type(raw).__name__}, not an object")
+        if MTP_ARCHITECTURE not in raw.get("architectures", []):
+            raise ValueError(f"{source}: architectures must include {MTP_ARCHITECTURE!r}, "
+                             f"got {raw.get('architectures')}")
+        cfg = FrozenKVMTPConfig.from_dict(raw, source)
+        _check_against_target(path, cfg, target)
+        model = cls(cfg, target).to(dtype)
+        weights = load_weights(path, dtype)
+        # Names and shapes first, as LlamaForCausalLM.load does: load_state_dict reports a shape
+        # mismatch as a bare RuntimeError, and every mismatch should read as one ValueError.
+        expected = {name: t.shape for name, t in model.state_dict().items()}
+        missing = sorted(set(expected) - set(weights))
+        unexpected = sorted(set(weights) - set(expected))
+        reshaped = sorted(name for name in set(expected) & set(weights)
+                          if weights[name].shape != expected[name])
+        if missing or unexpected or reshaped:
+            raise ValueError(f"{path / 'model.safetensors'}: not a Frozen-KV MTP assistant for "
+                             f"config.json (missing {missing[:3]}, unexpected {unexpected[:3]}, "
+                             f"wrong shape {reshaped[:3]})")
+        model.load_state_dict(weights, strict=True)
+        return model.to(device).eval()
+
+
+def _check_against_target(path: Path, cfg: FrozenKVMTPConfig, target: LlamaForCausalLM) -> None:
+    """The assistant reads the target's embedding, features and KV: every size they share must
+    agree, or the forward would fail (or worse, silently read the wrong layer)."""
+    tcfg = target.config
+    if (cfg.target_hidden_size, cfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
+        raise ValueError(f"{path}: assistant target width/vocab {cfg.target_hidden_size}/"
+                         f"{cfg.vocab_size} do not match the target's "
+                         f"{tcfg.hidden_size}/{tcfg.vocab_size}")
+    ours = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    theirs = (tcfg.num_attention_heads, tcfg.num_key_value_heads, tcfg.head_dim)
+    if ours != theirs:
+        raise ValueError(f"{path}: assistant heads/KV heads/head_dim {ours} do not match the "
+                         f"target's {theirs}")
+    if not 0 <= cfg.kv_layer < tcfg.num_hidden_layers:
+        raise ValueError(f"{path}: kv_layer {cfg.kv_layer} is not a layer of the target "
+                         f"(it has {tcfg.num_hidden_layers})")
