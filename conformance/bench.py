@@ -117,11 +117,21 @@ def lanes_for(spec: str, backends: list[str]) -> list[Lane]:
     lanes = [Lane("plain", backends[0], None)]
     for c in SPECS[spec].configs:
         assert c is not None
-        if c.overlap:  # overlap scheduling is judged beside its sequential twin
-            twin = replace(c, overlap=False)
+        twin = twin_of(c)
+        if twin is not None:
             lanes.append(Lane(config_id(twin), backends[0], twin))
         lanes.append(Lane(config_id(c), backends[0], c))
     return lanes
+
+
+def twin_of(config: SpecConfig) -> SpecConfig | None:
+    """What a configuration is judged beside: overlap scheduling beside its sequential twin,
+    Frozen-KV MTP beside EAGLE at the same shape (equal N); None for the rest."""
+    if config.overlap:
+        return replace(config, overlap=False)
+    if config.algorithm == "frozen_kv_mtp":
+        return replace(config, algorithm="eagle", draft_model="tiny-code-eagle")
+    return None
 
 
 def _run_batch(handle: EngineHandle, prompts: list[tuple[int, ...]], max_new_tokens: int,

@@ -376,6 +376,8 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from conformance.specs import SPECS
+
     fmt = argparse.ArgumentDefaultsHelpFormatter
     parser = _Parser(prog="specgate", formatter_class=fmt, description="Conformance harness "
                      "for speculative decoding, with a compact reference engine. Exit codes: "
@@ -391,8 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="entry-point name (refengine, hf), mutant:NAME or module:factory; "
                               "the default comes from $SPECGATE_BACKEND if set")
     certify.add_argument("--spec", default="none",
-                         help="none | eagle | eagle-tree | eagle-v2 | all (one certificate per "
-                              "spec)")
+                         help=f"{' | '.join(SPECS)} | all (one certificate per spec)")
     certify.add_argument("--profile", default="gate", choices=["gate", "full"],
                          help="gate: small prompt set, 32 tokens; full: default set, 64 tokens")
     certify.add_argument("--report", default="specgate-report",
@@ -408,7 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     gold = sub.add_parser("golden", formatter_class=fmt,
                           help="record or check golden acceptance traces (serial)")
     gold.add_argument("action", choices=["record", "check"])
-    gold.add_argument("--spec", default="all", help="eagle | eagle-tree | all")
+    gold.add_argument("--spec", default="all",
+                      help=f"{' | '.join(n for n in SPECS if n != 'none')} | all")
     gold.add_argument("--prompt-set", default="default", help="a set in fixtures/prompts")
     gold.add_argument("--max-new-tokens", type=_positive_int, default=128,
                       help="tokens per request")
@@ -434,7 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated (unset: refengine,hf for --spec none; refengine "
                             "otherwise, compared with its own plain decoding)")
     bench.add_argument("--spec", default="none",
-                       help="none | eagle | eagle-tree | eagle-v2 (beside its V1 twins)")
+                       help=f"{' | '.join(SPECS)}; eagle-v2 runs beside its V1 twins, mtp "
+                            "beside EAGLE at equal N")
     bench.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=64,
                        help="tokens per request")

@@ -164,6 +164,3 @@ class EngineConfig:
                  f"must be a bool, got {self.overlap_thread!r}")
         _require(not self.cuda_graph, "cuda_graph",
                  "the graph runner is not implemented yet; use cuda_graph=False")
-        if self.spec is not None:
-            _require(self.spec.algorithm == "eagle", "spec",
-                     f"algorithm {self.spec.algorithm!r} is not implemented yet (eagle is)")

@@ -15,6 +15,7 @@ import zlib
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from tokenizers import Tokenizer
@@ -27,6 +28,7 @@ from refengine.memory.manager import KVManager
 from refengine.memory.sessions import SessionStore
 from refengine.memory.view import MemoryView, ceil_page
 from refengine.model.eagle import EagleDraftModel
+from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
 from refengine.model.llama import LlamaForCausalLM
 from refengine.output import OutputProcessor
 from refengine.request import FinishReason, Req
@@ -35,6 +37,7 @@ from refengine.sampler import select_tokens
 from refengine.scheduler import ScheduledBatch, Scheduler
 from refengine.spec.eagle_v1 import EagleV1Worker
 from refengine.spec.eagle_v2 import EagleV2Worker, reserve_tokens
+from refengine.spec.frozen_kv_mtp import FrozenKVMTPV2Worker, FrozenKVMTPWorker
 from refengine.spec.worker import SpecWorker
 from refengine.step import StepResult
 
@@ -57,8 +60,12 @@ class Engine:
     kv_manager_class: type[KVManager] = KVManager
     scheduler_class: type[Scheduler] = Scheduler
     runner_class: type[ModelRunner] = ModelRunner
-    worker_class: type[EagleV1Worker] = EagleV1Worker
-    overlap_worker_class: type[EagleV2Worker] = EagleV2Worker  # SpecConfig(overlap=True)
+    # (algorithm, overlap scheduling) -> the SpecWorker that runs it
+    worker_classes: ClassVar[dict[tuple[str, bool], type[EagleV1Worker]]] = {
+        ("eagle", False): EagleV1Worker, ("eagle", True): EagleV2Worker,
+        ("frozen_kv_mtp", False): FrozenKVMTPWorker, ("frozen_kv_mtp", True): FrozenKVMTPV2Worker}
+    draft_classes: ClassVar[dict[str, type[EagleDraftModel] | type[FrozenKVMTPDraftModel]]] = {
+        "eagle": EagleDraftModel, "frozen_kv_mtp": FrozenKVMTPDraftModel}
     output_class: type[OutputProcessor] = OutputProcessor
 
     def __init__(self, config: EngineConfig) -> None:
@@ -73,13 +80,15 @@ class Engine:
         spec = config.spec
         draft = None
         if spec is not None:
-            draft = EagleDraftModel.load(resolve_model_dir(spec.draft_model), self.model,
-                                         _DTYPES[config.dtype], config.device)
+            draft = self.draft_classes[spec.algorithm].load(
+                resolve_model_dir(spec.draft_model), self.model, _DTYPES[config.dtype],
+                config.device)
         self.kv = self.kv_manager_class(
             config.kv_pool_tokens, config.page_size, config.max_running_requests,
             self.max_context_len, (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim),
             _DTYPES[config.dtype], config.device,
-            draft_layers=0 if draft is None else len(draft.layers),
+            # EAGLE's head keeps KV of its own beside the target's; a frozen-KV draft keeps none
+            draft_layers=len(draft.layers) if isinstance(draft, EagleDraftModel) else 0,
             row_headroom=0 if spec is None else (
                 1 + reserve_tokens(spec) + config.page_size if spec.overlap
                 else max(spec.topk * spec.num_steps, spec.num_draft_tokens)))
@@ -87,8 +96,8 @@ class Engine:
         self.runner = self.runner_class(self.model, draft, self.kv)
         self.worker: SpecWorker | None = None
         if spec is not None:
-            worker_class = self.overlap_worker_class if spec.overlap else self.worker_class
-            self.worker = worker_class(spec, self.runner, self.kv, self.clock)
+            self.worker = self.worker_classes[spec.algorithm, spec.overlap](
+                spec, self.runner, self.kv, self.clock)
         self.lookahead = 1 if self.worker is None else self.worker.lookahead
         self.scheduler = self.scheduler_class(
             self.kv, config.max_running_requests, config.max_prefill_tokens,

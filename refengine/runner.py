@@ -16,14 +16,15 @@ import torch
 from refengine.memory.manager import KVManager
 from refengine.model.attention import AttentionMetadata
 from refengine.model.eagle import EagleDraftModel
+from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
 from refengine.model.llama import ForwardBatch, ForwardOutput, LlamaForCausalLM
 from refengine.request import Req
 from refengine.spec.inputs import DraftExtendInput, VerifyInput
 
 
 class ModelRunner:
-    def __init__(self, target: LlamaForCausalLM, draft: EagleDraftModel | None,
-                 kv: KVManager) -> None:
+    def __init__(self, target: LlamaForCausalLM,
+                 draft: EagleDraftModel | FrozenKVMTPDraftModel | None, kv: KVManager) -> None:
         self.target = target
         self.draft = draft
         self.kv = kv
@@ -109,5 +110,29 @@ class ModelRunner:
     def forward_draft(self, batch: ForwardBatch, features: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (logits of the wanted rows, the head's predicted features)."""
-        assert self.draft is not None and self.kv.draft_kv is not None
+        assert isinstance(self.draft, EagleDraftModel) and self.kv.draft_kv is not None
         return self.draft(batch, features, self.kv.draft_kv)
+
+    # --- a frozen-KV draft (it reads the target's KV and writes none) --------------------------
+
+    def prepare_frozen_draft(self, reqs: list[Req], seq_lens: list[int], width: int
+                             ) -> ForwardBatch:
+        """``width`` rows per request, each a query at ``max(seq_len - 1, 0)`` that sees the
+        committed prefix ``[0, seq_len)`` of the target's KV. There are no slots (nothing is
+        written) and the tokens come with each forward (``input_ids`` holds placeholders)."""
+        lens = [s for s in seq_lens for _ in range(width)]
+        meta = self.attention_metadata(self._rows(reqs).repeat_interleave(width),
+                                       [1] * len(lens), lens)
+        return ForwardBatch(torch.zeros(len(lens), dtype=torch.int64),
+                            torch.tensor([max(s - 1, 0) for s in lens], dtype=torch.int64),
+                            torch.empty((0,), dtype=torch.int64), meta)
+
+    def forward_frozen_draft(self, batch: ForwardBatch, tokens: torch.Tensor,
+                             hidden: torch.Tensor, rows: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits, next recurrent vectors) for every row of ``batch`` or the ``rows``."""
+        assert isinstance(self.draft, FrozenKVMTPDraftModel)
+        positions, meta = batch.positions, batch.attention
+        if rows is not None:
+            positions, meta = positions.index_select(0, rows), meta.at_queries(rows)
+        return self.draft(tokens, hidden, positions, meta, self.kv.kv)

@@ -85,6 +85,49 @@ def build_mimic_eagle(target_dir: Path, out: Path) -> Path:
     return out
 
 
+def build_random_mtp(target_dir: Path, out: Path, seed: int = 3) -> Path:
+    """A randomly initialised Frozen-KV MTP assistant for the target in ``target_dir`` (two
+    layers, width 48, reading the target's last layer): its drafts are poor, which is all a
+    lossless check needs, and it exercises every shape the trained one has."""
+    import json
+
+    from safetensors.torch import save_file
+
+    target = json.loads((target_dir / "config.json").read_text())
+    hidden, heads = target["hidden_size"], target["num_attention_heads"]
+    head_dim = hidden // heads
+    cfg = {"architectures": ["FrozenKVMTPAssistant"], "model_type": "frozen_kv_mtp",
+           "hidden_size": 48, "target_hidden_size": hidden, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": heads,
+           "num_key_value_heads": target["num_key_value_heads"], "head_dim": head_dim,
+           "kv_layer": target["num_hidden_layers"] - 1, "vocab_size": target["vocab_size"],
+           "rms_norm_eps": 1e-5}
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"pre_projection.weight": (48, 2 * hidden), "norm.weight": (48,),
+              "post_projection.weight": (hidden, 48), "lm_head.weight": (cfg["vocab_size"], hidden)}
+    for i in range(2):
+        shapes.update({f"layers.{i}.input_layernorm.weight": (48,),
+                       f"layers.{i}.post_attention_layernorm.weight": (48,),
+                       f"layers.{i}.self_attn.q_proj.weight": (heads * head_dim, 48),
+                       f"layers.{i}.self_attn.o_proj.weight": (48, heads * head_dim),
+                       f"layers.{i}.mlp.gate_proj.weight": (96, 48),
+                       f"layers.{i}.mlp.up_proj.weight": (96, 48),
+                       f"layers.{i}.mlp.down_proj.weight": (48, 96)})
+    weights = {name: (torch.ones(shape) if name.endswith("norm.weight")
+                      else torch.randn(shape, generator=gen) * 0.1)
+               for name, shape in shapes.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="session")
+def mtp_dir(spec_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Frozen-KV MTP assistant for ``spec_pair``'s target."""
+    return build_random_mtp(spec_pair[0], tmp_path_factory.mktemp("mtp"))
+
+
 @pytest.fixture(scope="session")
 def spec_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(one-layer random target directory, mimic EAGLE head directory)."""

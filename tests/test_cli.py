@@ -33,7 +33,6 @@ def assert_usage_error(code: int, err: str, *needles: str) -> None:
     (["certify", "--backend", "nomodule_xyz:factory"], ["cannot import", "nomodule_xyz"]),
     (["certify", "--backend", "mutant:nope"], ["unknown mutant", "nope"]),
     (["certify", "--spec", "warp"], ["unknown spec", "warp"]),
-    (["certify", "--spec", "mtp"], ["not implemented", "mtp"]),
     (["certify", "--model", "no-such-fixture"], ["unknown fixture", "no-such-fixture"]),
     (["certify", "--profile", "sometimes"], ["sometimes"]),
     (["certify", "-n", "many"], ["many"]),

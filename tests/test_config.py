@@ -47,8 +47,6 @@ ENGINE_BAD: list[tuple[str, Any]] = [
     ("strict_mem_check", 1), ("strict_mem_check", "yes"), ("strict_mem_check", None),
     ("cuda_graph", True), ("cuda_graph", 1), ("overlap_thread", 1), ("overlap_thread", None),
     ("seed", -1), ("seed", 0.5), ("seed", False), ("seed", None),
-    # Valid SpecConfigs the engine does not implement yet.
-    ("spec", SpecConfig(algorithm="frozen_kv_mtp")),
 ]
 
 

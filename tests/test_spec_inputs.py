@@ -44,7 +44,7 @@ def test_verify_input_has_no_filter_or_merge() -> None:
 
 
 def test_rows_must_agree() -> None:
-    with pytest.raises(ValueError, match="disagree on the row count.*'topk_p': 1"):
+    with pytest.raises(ValueError, match=r"disagree on the row count.*'topk_p': 1"):
         DraftInput(torch.zeros(1, K), torch.zeros(2, K, dtype=torch.int64), torch.zeros(2, H),
                    torch.zeros(2, dtype=torch.int64))
 

@@ -39,6 +39,11 @@ from refengine.step import StepResult
 from refengine.stopping import finish_reason
 
 
+def eagle_v1_worker(worker: type[EagleV1Worker]) -> dict[tuple[str, bool], type[EagleV1Worker]]:
+    """The reference engine's worker table with EAGLE V1's worker replaced."""
+    return {**Engine.worker_classes, ("eagle", False): worker}
+
+
 class _LeakLastPage(KVManager):
     def release(self, req: Req) -> None:
         if req.row is not None and req.finish_reason in ("stop", "length"):
@@ -197,7 +202,7 @@ class BiasedVerifySampler(Engine):
     reproducible; only the distribution of sampled tokens is wrong. Plain decoding (no
     speculation) is exactly the reference engine's."""
 
-    worker_class = _ResidualIsP
+    worker_classes = eagle_v1_worker(_ResidualIsP)
 
 
 # --- speculative decoding (EAGLE V1) -------------------------------------------------------------
@@ -220,7 +225,7 @@ class AllFinishLeavesVerifyInput(Engine):
     """All-finish-in-verify: when every request finishes inside verify, the verify input stays
     installed as the batch's spec state; the next merge finds no ``merge_batch`` and crashes."""
 
-    worker_class = _LeavesVerifyInput
+    worker_classes = eagle_v1_worker(_LeavesVerifyInput)
 
 
 class _ExtendPhaseConfusion(EagleV1Worker):
@@ -236,7 +241,7 @@ class DraftExtendPhaseConfusion(Engine):
     """Phase confusion: the draft-extend phase's per-token target features stand in for the draft's
     predicted feature in the next draft phase. Still lossless; acceptance collapses."""
 
-    worker_class = _ExtendPhaseConfusion
+    worker_classes = eagle_v1_worker(_ExtendPhaseConfusion)
 
 
 class _KeepsRejectedPages(KVManager):
@@ -284,7 +289,7 @@ class RetractFilterPositional(Engine):
     """A retracted request's draft row is dropped by truncating the batch (sglang's "filter
     can only filter from the back" assumption): rows after a retracted middle request shift."""
 
-    worker_class = _PositionalFilterWorker
+    worker_classes = eagle_v1_worker(_PositionalFilterWorker)
 
 
 # --- overlap scheduling (EAGLE V2) ---------------------------------------------------------------

@@ -52,7 +52,8 @@ class RefEngineBackend:
     engine_class: type[Engine] = Engine  # the bug zoo swaps in mutant subclasses
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(algorithms=frozenset({"none", "eagle"}), tree=True, sampling=True,
+        return Capabilities(algorithms=frozenset({"none", "eagle", "frozen_kv_mtp"}), tree=True,
+                            sampling=True,
                             stepwise=True, abort=True, memory_view=True, acceptance_stats=True,
                             reference_draft=True, worker_hooks=True, forced_retract=True,
                             kernels=True, overlap=True, sessions=True, in_flight=True)

@@ -3,8 +3,10 @@
 Through ``worker_hooks`` the suite sees what every phase produced and decides how many drafts
 each verify accepts, so the edges happen on demand: every request finishing inside one verify
 (all-finish-in-verify), an idle draft state merged with a new prefill, a batch filtered to
-zero rows. Kinds and shapes: DraftInput ``[b, k]``/``[b, H]``, VerifyInput ``[b, N]``,
-DraftExtendInput ragged ``[sum(accepted + 1), H]``.
+zero rows. Kinds and shapes: the state between steps is EAGLE's DraftInput ``[b, k]``/
+``[b, H]`` or Frozen-KV MTP's SeedInput ``[b]``/``[b, H]`` (a draft that keeps no KV carries
+only the root token and the target's feature), VerifyInput ``[b, N]``, DraftExtendInput ragged
+``[sum(accepted + 1), H]``.
 """
 
 from __future__ import annotations
@@ -27,15 +29,23 @@ def _spec(sg: SuiteContext) -> SpecConfig:
     return config
 
 
+STATE_KINDS = {"eagle": "DraftInput", "frozen_kv_mtp": "SeedInput"}
+
+
 def _check_draft_input(rec: PhaseRecord, rows: int, spec: SpecConfig, hidden: int) -> None:
-    assert rec.kind == "DraftInput", rec
+    """The per-request state left between steps, with ``rows`` rows."""
+    assert rec.kind == STATE_KINDS[spec.algorithm], rec
+    if spec.algorithm == "frozen_kv_mtp":
+        assert rec.shapes == {"bonus_tokens": (rows,), "hidden_states": (rows, hidden)}, rec
+        assert rec.dtypes["bonus_tokens"] == "int64", rec
+        return
     assert rec.shapes == {"topk_p": (rows, spec.topk), "topk_index": (rows, spec.topk),
                           "hidden_states": (rows, hidden), "verified_id": (rows,)}, rec
     assert rec.dtypes["topk_p"] == "float32" and rec.dtypes["topk_index"] == "int64", rec
 
 
 def _hidden(trace: list[PhaseRecord]) -> int:
-    return next(r.shapes["hidden_states"][1] for r in trace if r.kind == "DraftInput"
+    return next(r.shapes["hidden_states"][1] for r in trace if r.kind in STATE_KINDS.values()
                 and r.shapes["hidden_states"][0] > 0)
 
 
@@ -65,7 +75,7 @@ def test_phase_kinds_and_shapes(sg: SuiteContext) -> None:
 
 def test_all_finish_inside_verify_installs_idle_then_merges(sg: SuiteContext) -> None:
     """Forced full acceptance with max_new_tokens=3: the first verify finishes every request;
-    the state installed must be an idle DraftInput, and a new prefill must merge into it.
+    the state installed must be an idle (zero-row) state, and a new prefill must merge into it.
     Under overlap scheduling the step is launched (and its DraftInput installed, one row per
     request) before anyone knows the requests finish; resolution then drops those rows, and
     the new prefill must merge into what is left."""

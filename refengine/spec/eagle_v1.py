@@ -89,7 +89,7 @@ class ChainTree:
                            **self._structure(tokens.shape[0]))
 
 
-def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     probs = torch.softmax(logits.float(), dim=-1)
     top = torch.topk(probs, k, dim=-1)
     return top.values, top.indices
@@ -191,7 +191,7 @@ class EagleV1Worker:
         the flat rows of requests whose prompt completed (their new draft state)."""
         draft_batch = self.runner.prepare_draft_prefill(batch, next_ids, last_rows)
         logits, predicted = self.runner.forward_draft(draft_batch, features)
-        topk_p, topk_index = _topk(logits, self.spec.topk)
+        topk_p, topk_index = top_k(logits, self.spec.topk)
         return DraftInput(topk_p, topk_index, predicted, roots)
 
     # --- the decode step ----------------------------------------------------------------------
@@ -278,7 +278,7 @@ class EagleV1Worker:
                 node_mask[:, :, (i - 1) * k:i * k] |= own_entry
                 logits, predicted = forward(i, beam_tokens.reshape(-1),
                                             beam_feat.reshape(b * k, -1), node_mask)
-                child_p, child_tok = _topk(logits, k)                      # [b*k, k]
+                child_p, child_tok = top_k(logits, k)                      # [b*k, k]
                 child_scores = beam_scores[:, :, None] * child_p.view(b, k, k)
                 child_scores = child_scores.reshape(b, k * k)
                 scores.append(child_scores)
@@ -342,5 +342,5 @@ class EagleV1Worker:
         """The head over each request's accepted positions (already committed)."""
         fb = self.runner.prepare_draft_extend(reqs, ext, self.roots(reqs))
         logits, predicted = self.runner.forward_draft(fb, ext.hidden_states)
-        topk_p, topk_index = _topk(logits, self.spec.topk)
+        topk_p, topk_index = top_k(logits, self.spec.topk)
         return DraftInput(topk_p, topk_index, predicted, ext.input_ids[fb.logits_index])
