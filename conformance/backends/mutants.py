@@ -33,15 +33,18 @@ from refengine.request import FinishReason, Req
 from refengine.runner import ModelRunner
 from refengine.spec.draft_state import DraftState
 from refengine.spec.eagle_v1 import EagleV1Worker
-from refengine.spec.inputs import DraftExtendInput, DraftInput, VerifyInput
+from refengine.spec.frozen_kv_mtp import FrozenKVMTPWorker
+from refengine.spec.inputs import DraftExtendInput, DraftInput, SeedInput, VerifyInput
 from refengine.spec.verify import SampledPath, verify_tree_sampling
 from refengine.step import StepResult
 from refengine.stopping import finish_reason
 
 
-def eagle_v1_worker(worker: type[EagleV1Worker]) -> dict[tuple[str, bool], type[EagleV1Worker]]:
-    """The reference engine's worker table with EAGLE V1's worker replaced."""
-    return {**Engine.worker_classes, ("eagle", False): worker}
+def with_worker(algorithm: str, worker: type[EagleV1Worker]
+                ) -> dict[tuple[str, bool], type[EagleV1Worker]]:
+    """The reference engine's worker table with ``algorithm``'s sequential (V1) worker
+    replaced."""
+    return {**Engine.worker_classes, (algorithm, False): worker}
 
 
 class _LeakLastPage(KVManager):
@@ -202,16 +205,19 @@ class BiasedVerifySampler(Engine):
     reproducible; only the distribution of sampled tokens is wrong. Plain decoding (no
     speculation) is exactly the reference engine's."""
 
-    worker_classes = eagle_v1_worker(_ResidualIsP)
+    worker_classes = with_worker("eagle", _ResidualIsP)
 
 
 # --- speculative decoding (EAGLE V1) -------------------------------------------------------------
 
 class _LeavesVerifyInput(EagleV1Worker):
+    """Over any V1-style worker (EAGLE's, Frozen-KV MTP's): when nothing is left to extend,
+    the step's verify input stays installed instead of an idle state."""
+
     last_verify_input: VerifyInput | None = None
 
-    def draft(self, reqs: list[Req], din: DraftInput) -> VerifyInput:
-        self.last_verify_input = super().draft(reqs, din)
+    def draft(self, reqs: list[Req], din: DraftInput | SeedInput) -> VerifyInput:
+        self.last_verify_input = super().draft(reqs, din)  # type: ignore[arg-type]
         return self.last_verify_input
 
     def install_next(self, reqs: list[Req], extend_input: DraftExtendInput) -> None:
@@ -225,7 +231,19 @@ class AllFinishLeavesVerifyInput(Engine):
     """All-finish-in-verify: when every request finishes inside verify, the verify input stays
     installed as the batch's spec state; the next merge finds no ``merge_batch`` and crashes."""
 
-    worker_classes = eagle_v1_worker(_LeavesVerifyInput)
+    worker_classes = with_worker("eagle", _LeavesVerifyInput)
+
+
+class _MTPLeavesVerifyInput(_LeavesVerifyInput, FrozenKVMTPWorker):
+    pass
+
+
+class MTPAllFinishLeavesVerifyInput(Engine):
+    """All-finish-in-verify under Frozen-KV MTP: when every request finishes inside verify, no
+    idle seed is installed (the verify input stays); the next merge finds no ``merge_batch``
+    and crashes."""
+
+    worker_classes = with_worker("frozen_kv_mtp", _MTPLeavesVerifyInput)
 
 
 class _ExtendPhaseConfusion(EagleV1Worker):
@@ -241,7 +259,7 @@ class DraftExtendPhaseConfusion(Engine):
     """Phase confusion: the draft-extend phase's per-token target features stand in for the draft's
     predicted feature in the next draft phase. Still lossless; acceptance collapses."""
 
-    worker_classes = eagle_v1_worker(_ExtendPhaseConfusion)
+    worker_classes = with_worker("eagle", _ExtendPhaseConfusion)
 
 
 class _KeepsRejectedPages(KVManager):
@@ -289,7 +307,7 @@ class RetractFilterPositional(Engine):
     """A retracted request's draft row is dropped by truncating the batch (sglang's "filter
     can only filter from the back" assumption): rows after a retracted middle request shift."""
 
-    worker_classes = eagle_v1_worker(_PositionalFilterWorker)
+    worker_classes = with_worker("eagle", _PositionalFilterWorker)
 
 
 # --- overlap scheduling (EAGLE V2) ---------------------------------------------------------------
@@ -378,6 +396,7 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("stale_result_applied", StaleResultApplied, spec="eagle-v2"),
     Mutant("abort_leaks_reservation", AbortLeaksReservation, spec="eagle-v2"),
     Mutant("late_commit", LateCommit, spec="eagle-v2"),
+    Mutant("mtp_all_finish_leaves_verify_input", MTPAllFinishLeavesVerifyInput, spec="mtp"),
 ]}
 
 
