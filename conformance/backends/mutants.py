@@ -25,9 +25,12 @@ import torch
 
 from conformance.backends.refengine import RefEngineBackend
 from refengine import Engine
+from refengine.memory.kv_pool import KVPool
 from refengine.memory.manager import KVManager
 from refengine.memory.view import ceil_page
 from refengine.model.attention import AttentionMetadata
+from refengine.model.eagle import EagleDraftModel
+from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
 from refengine.output import OutputProcessor
 from refengine.request import FinishReason, Req
 from refengine.runner import ModelRunner
@@ -45,6 +48,12 @@ def with_worker(algorithm: str, worker: type[EagleV1Worker]
     """The reference engine's worker table with ``algorithm``'s sequential (V1) worker
     replaced."""
     return {**Engine.worker_classes, (algorithm, False): worker}
+
+
+def with_draft(algorithm: str, draft: type[FrozenKVMTPDraftModel]
+               ) -> dict[str, type[EagleDraftModel] | type[FrozenKVMTPDraftModel]]:
+    """The reference engine's draft-model table with ``algorithm``'s loader replaced."""
+    return {**Engine.draft_classes, algorithm: draft}
 
 
 class _LeakLastPage(KVManager):
@@ -238,6 +247,27 @@ class _MTPLeavesVerifyInput(_LeavesVerifyInput, FrozenKVMTPWorker):
     pass
 
 
+class _DraftWritesTargetKV(FrozenKVMTPDraftModel):
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                attention: AttentionMetadata, kv: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        out = super().forward(input_ids, hidden, positions, attention, kv)
+        # BUG: the assistant stores its iteration at its query position, as a decoder layer
+        # with a cache of its own would, but into the target's pool it only may read.
+        slots = attention.kv_slots.gather(1, positions[:, None].clamp(
+            max=attention.kv_slots.shape[1] - 1)).squeeze(1)
+        kv.k[self.config.kv_layer, slots] = 0
+        kv.v[self.config.kv_layer, slots] = 0
+        return out
+
+
+class FrozenDraftWritesKV(Engine):
+    """Frozen draft writes KV: the Frozen-KV MTP assistant writes into the target's KV cache
+    (the slots at its query position) instead of only reading it; the target's later forwards
+    attend to the damaged entries."""
+
+    draft_classes = with_draft("frozen_kv_mtp", _DraftWritesTargetKV)
+
+
 class MTPAllFinishLeavesVerifyInput(Engine):
     """All-finish-in-verify under Frozen-KV MTP: when every request finishes inside verify, no
     idle seed is installed (the verify input stays); the next merge finds no ``merge_batch``
@@ -397,6 +427,7 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("abort_leaks_reservation", AbortLeaksReservation, spec="eagle-v2"),
     Mutant("late_commit", LateCommit, spec="eagle-v2"),
     Mutant("mtp_all_finish_leaves_verify_input", MTPAllFinishLeavesVerifyInput, spec="mtp"),
+    Mutant("frozen_draft_writes_kv", FrozenDraftWritesKV, spec="mtp"),
 ]}
 
 
