@@ -32,7 +32,6 @@ target's, since the queries meet the target's keys.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +43,7 @@ from torch import nn
 from refengine.memory.kv_pool import KVPool
 from refengine.model.attention import AttentionMetadata, paged_attention
 from refengine.model.llama import LlamaForCausalLM, RMSNorm, RopeAt
-from refengine.model.loader import load_weights
+from refengine.model.loader import check_state_dict, load_weights, read_config_json
 
 MTP_ARCHITECTURE = "FrozenKVMTPAssistant"
 MTP_MODEL_TYPE = "frozen_kv_mtp"
@@ -175,12 +174,7 @@ class FrozenKVMTPDraftModel(nn.Module):
             if not (path / name).is_file():
                 raise FileNotFoundError(f"draft model directory {path} is missing {name}")
         source = path / "config.json"
-        try:
-            raw = json.loads(source.read_text(encoding="utf-8"))
-        except ValueError as err:  # a JSON error, or bytes that are not UTF-8
-            raise ValueError(f"{source}: not valid JSON ({err})") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"{source}: a JSON {type(raw).__name__}, not an object")
+        raw = read_config_json(path)
         if MTP_ARCHITECTURE not in raw.get("architectures", []):
             raise ValueError(f"{source}: architectures must include {MTP_ARCHITECTURE!r}, "
                              f"got {raw.get('architectures')}")
@@ -188,17 +182,8 @@ class FrozenKVMTPDraftModel(nn.Module):
         _check_against_target(path, cfg, target)
         model = cls(cfg, target).to(dtype)
         weights = load_weights(path, dtype)
-        # Names and shapes first, as LlamaForCausalLM.load does: load_state_dict reports a shape
-        # mismatch as a bare RuntimeError, and every mismatch should read as one ValueError.
-        expected = {name: t.shape for name, t in model.state_dict().items()}
-        missing = sorted(set(expected) - set(weights))
-        unexpected = sorted(set(weights) - set(expected))
-        reshaped = sorted(name for name in set(expected) & set(weights)
-                          if weights[name].shape != expected[name])
-        if missing or unexpected or reshaped:
-            raise ValueError(f"{path / 'model.safetensors'}: not a Frozen-KV MTP assistant for "
-                             f"config.json (missing {missing[:3]}, unexpected {unexpected[:3]}, "
-                             f"wrong shape {reshaped[:3]})")
+        check_state_dict(path, model, weights,
+                         "not a Frozen-KV MTP assistant for config.json")
         model.load_state_dict(weights, strict=True)
         return model.to(device).eval()
 

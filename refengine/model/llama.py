@@ -16,7 +16,13 @@ from torch import nn
 
 from refengine.memory.kv_pool import KVPool
 from refengine.model.attention import AttentionMetadata, paged_attention
-from refengine.model.loader import ModelConfig, check_model_dir, load_config, load_weights
+from refengine.model.loader import (
+    ModelConfig,
+    check_model_dir,
+    check_state_dict,
+    load_config,
+    load_weights,
+)
 
 ROTARY_HEADROOM = 256
 
@@ -174,17 +180,6 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings and "lm_head.weight" not in weights:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
         model = cls(cfg).to(dtype)
-        # Compare names and shapes first: load_state_dict reports a shape mismatch as a bare
-        # RuntimeError, and every mismatch should read the same way (one ValueError naming
-        # the file), whichever kind it is.
-        expected = {name: t.shape for name, t in model.state_dict().items()}
-        missing = sorted(set(expected) - set(weights))
-        unexpected = sorted(set(weights) - set(expected))
-        reshaped = sorted(name for name in set(expected) & set(weights)
-                          if weights[name].shape != expected[name])
-        if missing or unexpected or reshaped:
-            raise ValueError(f"{path / 'model.safetensors'}: weights do not match config.json "
-                             f"(missing {missing[:3]}, unexpected {unexpected[:3]}, "
-                             f"wrong shape {reshaped[:3]})")
+        check_state_dict(path, model, weights, "weights do not match config.json")
         model.load_state_dict(weights, strict=True)
         return model.to(device).eval()

@@ -10,6 +10,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -151,12 +152,10 @@ def check_safetensors_header(path: Path) -> None:
                              "bytes the header describes")
 
 
-def _check_dir(path: Path, required: tuple[str, ...], kind: str) -> None:
+def _check_files(path: Path, required: tuple[str, ...], kind: str) -> None:
     for name in required:
         if not (path / name).is_file():
             raise FileNotFoundError(f"{kind} directory {path} is missing {name}")
-    load_config(path)
-    check_safetensors_header(path / "model.safetensors")
 
 
 def check_model_dir(path: Path) -> None:
@@ -164,15 +163,29 @@ def check_model_dir(path: Path) -> None:
     file, a one-line ValueError for a config.json that does not parse or a damaged
     model.safetensors. Reads config.json and the safetensors header only, so it takes
     milliseconds whatever the model's size."""
-    _check_dir(path, REQUIRED_FILES, "model")
+    _check_files(path, REQUIRED_FILES, "model")
+    load_config(path)
+    check_safetensors_header(path / "model.safetensors")
 
 
 def check_draft_dir(path: Path) -> None:
-    """``check_model_dir`` for an EAGLE head directory, which has no tokenizer of its own."""
-    _check_dir(path, DRAFT_FILES, "draft model")
+    """``check_model_dir`` for a draft directory (an EAGLE head or a Frozen-KV MTP assistant),
+    which has no tokenizer of its own."""
+    _check_files(path, DRAFT_FILES, "draft model")
+    raw = read_config_json(path)
+    if "FrozenKVMTPAssistant" in raw.get("architectures", []):
+        # Imported here: the assistant's module imports this one for its weights.
+        from refengine.model.frozen_kv_mtp import FrozenKVMTPConfig
+
+        FrozenKVMTPConfig.from_dict(raw, path / "config.json")
+    else:
+        ModelConfig.from_dict(raw, path / "config.json")
+    check_safetensors_header(path / "model.safetensors")
 
 
-def load_config(path: Path) -> ModelConfig:
+def read_config_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path/config.json``; a one-line ValueError naming the file if it is
+    not one."""
     source = path / "config.json"
     try:
         raw = json.loads(source.read_text(encoding="utf-8"))
@@ -180,7 +193,26 @@ def load_config(path: Path) -> ModelConfig:
         raise ValueError(f"{source}: not valid JSON ({err})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{source}: a JSON {type(raw).__name__}, not an object")
-    return ModelConfig.from_dict(raw, source)
+    return raw
+
+
+def load_config(path: Path) -> ModelConfig:
+    return ModelConfig.from_dict(read_config_json(path), path / "config.json")
+
+
+def check_state_dict(path: Path, model: torch.nn.Module, weights: dict[str, torch.Tensor],
+                     what: str) -> None:
+    """Names and shapes of ``weights`` against ``model``'s, before ``load_state_dict``: it
+    reports a shape mismatch as a bare RuntimeError, and every mismatch should read the same
+    way (one ValueError naming the file and ``what`` it is not)."""
+    expected = {name: t.shape for name, t in model.state_dict().items()}
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    reshaped = sorted(name for name in set(expected) & set(weights)
+                      if weights[name].shape != expected[name])
+    if missing or unexpected or reshaped:
+        raise ValueError(f"{path / 'model.safetensors'}: {what} (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}, wrong shape {reshaped[:3]})")
 
 
 def load_weights(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
