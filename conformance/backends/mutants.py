@@ -42,12 +42,14 @@ from refengine.spec.verify import SampledPath, verify_tree_sampling
 from refengine.step import StepResult
 from refengine.stopping import finish_reason
 
+WorkerTable = dict[tuple[str, bool], type[EagleV1Worker]]
 
-def with_worker(algorithm: str, worker: type[EagleV1Worker]
-                ) -> dict[tuple[str, bool], type[EagleV1Worker]]:
-    """The reference engine's worker table with ``algorithm``'s sequential (V1) worker
-    replaced."""
-    return {**Engine.worker_classes, (algorithm, False): worker}
+
+def with_worker(algorithm: str, worker: type[EagleV1Worker],
+                table: WorkerTable | None = None) -> WorkerTable:
+    """A worker table (the reference engine's by default) with ``algorithm``'s sequential
+    (V1) worker replaced."""
+    return {**(Engine.worker_classes if table is None else table), (algorithm, False): worker}
 
 
 def with_draft(algorithm: str, draft: type[FrozenKVMTPDraftModel]
@@ -196,6 +198,10 @@ class _ResidualIsP(EagleV1Worker):
                                     req.seed, self.output_index(req), residual=_residual_is_p)
 
 
+class _MTPResidualIsP(_ResidualIsP, FrozenKVMTPWorker):
+    """The same biased residual over Frozen-KV MTP's draft (the verify path is shared)."""
+
+
 def verified_draft_trees(handle: object) -> dict[tuple[int, ...], Counter[DraftTree]]:
     """The draft trees a ``biased_verify_sampler`` handle verified, per root sequence: what the
     distribution tier needs to derive this negative control's exact output law. Asked of the
@@ -214,7 +220,8 @@ class BiasedVerifySampler(Engine):
     reproducible; only the distribution of sampled tokens is wrong. Plain decoding (no
     speculation) is exactly the reference engine's."""
 
-    worker_classes = with_worker("eagle", _ResidualIsP)
+    worker_classes = with_worker("frozen_kv_mtp", _MTPResidualIsP,
+                                 with_worker("eagle", _ResidualIsP))
 
 
 # --- speculative decoding (EAGLE V1) -------------------------------------------------------------

@@ -201,16 +201,17 @@ def smallest_detectable_fraction(p_null: np.ndarray, p_alt: np.ndarray) -> float
 
 
 def control_spec(sg: SuiteContext, request: pytest.FixtureRequest) -> SpecConfig:
-    """Always the EAGLE chain (S=3), with the certified spec's draft model. A chain verifies
-    one draft per node, so the control's bias is there to find; a wide tree can cover the
-    whole top-k support with children, where the residual bug has (almost) nothing to bias
-    and no test could have power. Under ``none`` the draft is ``--specgate-draft-model`` or
-    the bundled head, which fits the bundled target only."""
+    """Always a chain (S=3), with the certified spec's algorithm and draft model (EAGLE under
+    ``none``). A chain verifies one draft per node, so the control's bias is there to find; a
+    wide tree can cover the whole top-k support with children, where the residual bug has
+    (almost) nothing to bias and no test could have power. Under ``none`` the draft is
+    ``--specgate-draft-model`` or the bundled head, which fits the bundled target only."""
     chain = SPECS["eagle"].configs[0]
     assert chain is not None, "the eagle spec's first configuration is the chain"
     spec = sg.spec.configs[0]
-    draft = spec.draft_model if spec is not None else request.config.getoption(
-        "--specgate-draft-model")
+    if spec is not None:
+        return replace(chain, algorithm=spec.algorithm, draft_model=spec.draft_model)
+    draft = request.config.getoption("--specgate-draft-model")
     if draft:
         return replace(chain, draft_model=draft)
     if sg.model != OpenConfig().model:  # the bundled head was distilled from this target
