@@ -1,0 +1,201 @@
+"""GraphRunner: target decode and verify forwards replayed on static, bucket-padded buffers.
+
+It wraps a ``ModelRunner`` and offers the same surface: the ``prepare_*`` methods still build
+every batch (through the wrapped runner, which stays the only builder), and additionally tag
+decode/verify batches with what staging needs (request rows, lengths, tree mask);
+``forward`` stages a batch it has a bucket for, runs the executor, and slices the real rows
+back out; anything else falls back to the wrapped runner's eager forward. Everything else
+(draft forwards, ``kv``, ``target``) is the wrapped runner's.
+
+Key width: every key fixes ``max_kv``, the number of key columns each request's attention
+gathers and masks, so the shapes of a replay never depend on the requests' lengths. A batch
+uses the narrowest of ``kv_sizes`` that holds its longest request; the widest is the row
+table's (the longest context a request can reach, verify head-room included), so no
+decode/verify batch is refused for its length. One width only (the table's) would be simplest,
+but attention work follows the width, not the real lengths: on tiny-code at context 128 a
+replay at the 2052-column table width took 11 / 67 / 478 ms per decode step at batch 1 / 8 /
+32, against 8 / 14 / 30 ms at 192 columns (eager: 8 / 13 / 23 ms). Hence a doubling ladder
+from 256 columns by default (``kv_widths``); each width is one more key per bucket to capture
+or compile, so a compiled deployment should list only the widths it needs.
+
+Not thread-safe: one set of static buffers per kind, so forwards must not run concurrently
+(the engine launches one step at a time, also on its overlap thread).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from refengine.graph.executors import (
+    CompiledExecutor,
+    Executor,
+    GraphKey,
+    ReplayExecutor,
+)
+from refengine.graph.staging import (
+    StagedViews,
+    Staging,
+    StepInputs,
+    capture_sizes,
+    check_sizes,
+    kv_widths,
+    pad_to_bucket,
+    static_attention,
+)
+from refengine.model.llama import ForwardBatch, ForwardOutput
+from refengine.request import Req
+from refengine.runner import ModelRunner
+from refengine.spec.inputs import VerifyInput
+
+
+@dataclass
+class GraphBatch(ForwardBatch):
+    """A ``ForwardBatch`` that also says, per request, which row and how many positions it
+    has, and its tree mask (None: causal) -- what staging needs and the flat batch lost."""
+
+    rows: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    tree_mask: torch.Tensor | None = None
+
+    @classmethod
+    def tag(cls, batch: ForwardBatch, rows: torch.Tensor, seq_lens: torch.Tensor,
+            tree_mask: torch.Tensor | None = None) -> GraphBatch:
+        return cls(**{f.name: getattr(batch, f.name) for f in fields(ForwardBatch)},
+                   rows=rows, seq_lens=seq_lens, tree_mask=tree_mask)
+
+
+class GraphRunner:
+    """``forward(batch)``: stage -> execute -> slice for decode (1 token per request) and
+    verify (``verify_tokens`` per request) batches of up to ``max_bs`` requests; the wrapped
+    runner's eager forward otherwise."""
+
+    def __init__(self, runner: ModelRunner, executor: str | Executor = "replay",
+                 max_bs: int | None = None, verify_tokens: int | None = None,
+                 sizes: Sequence[int] | None = None, kv_sizes: Sequence[int] | None = None
+                 ) -> None:
+        self.runner = runner
+        table = runner.kv.rows.table
+        self.sizes = check_sizes(list(sizes) if sizes is not None
+                                 else capture_sizes(max_bs or runner.kv.rows.rows))
+        width = table.shape[1]
+        self.kv_sizes = check_sizes(list(kv_sizes) if kv_sizes is not None
+                                    else kv_widths(width))
+        if self.kv_sizes[-1] > width:
+            raise ValueError(f"kv_sizes: {self.kv_sizes[-1]} key columns exceed the row table "
+                             f"width {width}")
+        # Kind -> tokens per request. N == 1 would be a decode batch, so no separate kind.
+        self.kinds = {"decode": 1}
+        if verify_tokens is not None and verify_tokens > 1:
+            self.kinds["verify"] = verify_tokens
+        device = table.device
+        self.staging = {kind: Staging(self.sizes[-1], q, device)
+                        for kind, q in self.kinds.items()}
+        self.executor = (self._make_executor(executor) if isinstance(executor, str)
+                         else executor)
+
+    def _make_executor(self, name: str) -> Executor:
+        if name == "replay":
+            return ReplayExecutor(self.static_forward)
+        if name in ("compiled", "compiled-layers"):
+            return CompiledExecutor(self.runner.target, self.runner.kv.kv,
+                                    self.runner.kv.rows.table,
+                                    split="layers" if name == "compiled-layers" else "whole")
+        raise ValueError(f"executor: 'replay', 'compiled' or 'compiled-layers', got {name!r}")
+
+    def static_forward(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
+        """The captured callable: the model's own forward over the padded static views."""
+        meta = static_attention(views.rows, views.seq_lens, views.tree_mask,
+                                self.runner.kv.rows.table, key.max_kv)
+        return self.runner.forward(ForwardBatch(views.input_ids, views.positions,
+                                                views.out_slots, meta))
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names this class lacks: the draft side, kv, target, ... ("runner"
+        # itself is refused, or a half-built instance would recurse forever).
+        if name == "runner":
+            raise AttributeError(name)
+        return getattr(self.runner, name)
+
+    # --- batches ----------------------------------------------------------------------------
+
+    def prepare_extend(self, reqs: list[Req], lens: list[int], ids: list[int],
+                       sample_at: list[int]) -> ForwardBatch:
+        starts = [r.kv_committed_len for r in reqs]  # before the wrapped runner extends
+        batch = self.runner.prepare_extend(reqs, lens, ids, sample_at)
+        return GraphBatch.tag(batch, torch.tensor([r.row for r in reqs], dtype=torch.int64),
+                              torch.tensor([s + n for s, n in zip(starts, lens, strict=True)],
+                                           dtype=torch.int64))
+
+    def prepare_verify(self, reqs: list[Req], vin: VerifyInput, slots: torch.Tensor,
+                       causal: bool) -> ForwardBatch:
+        batch = self.runner.prepare_verify(reqs, vin, slots, causal)
+        n = vin.draft_tokens.shape[1]
+        return GraphBatch.tag(batch, torch.tensor([r.row for r in reqs], dtype=torch.int64),
+                              vin.positions[:, 0] + n, None if causal else vin.tree_mask)
+
+    # --- forward ----------------------------------------------------------------------------
+
+    def graph_key(self, batch: ForwardBatch) -> GraphKey | None:
+        """The key ``batch`` replays on, or None (eager): a tagged batch whose requests all
+        bring the same number of tokens, a kind with that many, at most the largest bucket of
+        requests, and no request longer than the widest key width."""
+        if not isinstance(batch, GraphBatch) or batch.rows is None or batch.seq_lens is None:
+            return None
+        raw = int(batch.rows.shape[0])
+        if raw == 0 or batch.attention.query_index is not None or raw > self.sizes[-1]:
+            return None  # ragged (a prefill mix) or too many requests
+        q, rest = divmod(int(batch.input_ids.shape[0]), raw)
+        kind = next((k for k, n in self.kinds.items() if n == q), None)
+        if rest or kind is None:
+            return None
+        longest = int(batch.seq_lens.max())
+        if longest > self.kv_sizes[-1]:
+            return None
+        return GraphKey(kind, pad_to_bucket(raw, self.sizes),
+                        self.kv_sizes[bisect.bisect_left(self.kv_sizes, longest)])
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return self.graph_key(batch) is not None
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        key = self.graph_key(batch)
+        if key is None:
+            return self.runner.forward(batch)
+        assert isinstance(batch, GraphBatch) and batch.rows is not None
+        assert batch.seq_lens is not None
+        raw = int(batch.rows.shape[0])
+        step = StepInputs(batch.input_ids, batch.positions, batch.out_slots, batch.rows,
+                          batch.seq_lens, batch.tree_mask)
+        label = (f"graph[{key.kind} raw={raw} bucket={key.bucket} kv={key.max_kv} "
+                 f"{self.executor.name}]")
+        with torch.profiler.record_function(label):
+            views = self.staging[key.kind].stage(step, key.bucket)
+            out = self.executor.run(key, views)
+            tokens = raw * views.q
+            logits, features = out.logits[:tokens], out.features[:tokens]
+            if self.executor.outputs_persist:
+                # The next run overwrites them: hand out copies, never the executor's memory.
+                logits, features = logits.clone(), features.clone()
+            if batch.logits_index is not None:
+                logits = logits.index_select(0, batch.logits_index)
+        return ForwardOutput(logits, features)
+
+    def capture(self, kinds: Sequence[str] | None = None, sizes: Sequence[int] | None = None,
+                kv_sizes: Sequence[int] | None = None) -> dict[GraphKey, float]:
+        """Capture or compile keys ahead of serving, each on a batch of padding only (which
+        writes nothing but the dummy page); -> seconds per key."""
+        seconds: dict[GraphKey, float] = {}
+        for kind in kinds or list(self.kinds):
+            for bucket in sizes or self.sizes:
+                for max_kv in kv_sizes or self.kv_sizes:
+                    key = GraphKey(kind, bucket, max_kv)
+                    start = time.perf_counter()
+                    self.executor.prepare(key, self.staging[kind].stage(None, bucket))
+                    seconds[key] = time.perf_counter() - start
+        return seconds
