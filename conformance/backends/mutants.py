@@ -34,6 +34,7 @@ from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
 from refengine.output import OutputProcessor
 from refengine.request import FinishReason, Req
 from refengine.runner import ModelRunner
+from refengine.scheduler import Scheduler
 from refengine.spec.draft_state import DraftState
 from refengine.spec.eagle_v1 import EagleV1Worker
 from refengine.spec.frozen_kv_mtp import FrozenKVMTPWorker
@@ -88,6 +89,20 @@ class AbortLeaksRow(Engine):
     """Abort returns the KV slots but not the request row."""
 
     kv_manager_class = _AbortKeepsRow
+
+
+class _AbortStaysRunning(Scheduler):
+    def remove(self, req: Req) -> None:
+        if req.finish_reason == "abort" and req in self.running:
+            return  # BUG: the aborted request is never taken off the running list
+        super().remove(req)
+
+
+class AbortStaysRunning(Engine):
+    """An aborted request stays in the running list: it no longer decodes, but it keeps its
+    running slot (and a retraction may pick it and bring it back to life)."""
+
+    scheduler_class = _AbortStaysRunning
 
 
 class _ReleaseKeepsCommitted(KVManager):
@@ -420,6 +435,7 @@ class Mutant:
 MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("leak_on_finish", LeakOnFinish),
     Mutant("abort_leaks_row", AbortLeaksRow),
+    Mutant("abort_stays_running", AbortStaysRunning),
     Mutant("retract_stale_committed", RetractStaleCommitted),
     Mutant("max_new_tokens_off_by_one", MaxNewTokensOffByOne),
     Mutant("ignores_stop_token_ids", IgnoresStopTokenIds),

@@ -154,6 +154,24 @@ def test_abort(sg: SuiteContext, phase: str) -> None:
     assert_matches_oracle(sg, outcomes, bystander)
 
 
+@pytest.mark.specgate_requires("stepwise", "abort")
+def test_abort_frees_the_only_running_slot(sg: SuiteContext) -> None:
+    """One running slot: abort the decoding request that holds it, then submit another. An
+    aborted request left in the running list would keep the slot forever (the next request
+    is never admitted); without this case that bug shows only when a random load mix happens
+    to pick the dead request for retraction."""
+    victim, after = list(sg.prompts[0].ids), list(sg.prompts[1].ids)
+    with open_driver(sg, max_running_requests=1) as driver:
+        driver.submit("victim", victim, greedy(24))
+        driver.step_until(lambda: bool(driver.streamed["victim"]), 1000,
+                          lambda: "the victim streamed no token")
+        driver.abort("victim")
+        outcomes = run_all(driver, {"after": (after, greedy(6))})
+    assert driver.outcomes["victim"].reason == "abort", (
+        f"victim finished as {driver.outcomes['victim'].reason!r}, not aborted")
+    assert_matches_oracle(sg, outcomes, {"after": (after, greedy(6))})
+
+
 # --- stale results: acting on a request while a launched step of it is unresolved -------------
 
 InFlight = Callable[[], frozenset[str]]
