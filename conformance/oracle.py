@@ -29,6 +29,10 @@ class ReferenceOracle:
             self._cache[key] = self.engine.generate([list(prompt_ids)], params)[0].output_ids
         return self._cache[key]
 
+    def decode(self, ids: list[int]) -> str:
+        """The fixture tokenizer's text for ``ids`` (what a backend's finish text is cut from)."""
+        return self.engine.tokenizer.decode(list(ids))
+
     def next_token_probs(self, prefix_ids: tuple[int, ...], params: SamplingParams
                          ) -> torch.Tensor:
         """``[vocab]`` float64: the distribution of the token after ``prefix_ids`` (prompt and

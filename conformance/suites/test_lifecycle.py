@@ -98,6 +98,33 @@ def test_stop_token_at_every_offset(sg: SuiteContext) -> None:
             f"{rid}: got {len(o.output_ids)} tokens ({o.reason}), expected {i + 1} (stop)")
 
 
+def test_stop_string_at_every_offset(sg: SuiteContext) -> None:
+    """A stop string completed by each of the first output tokens and reaching back into the
+    token before it: under speculation these fall at every offset of an accepted run and across
+    run boundaries. The output ends at the token that completes the string, and the text just
+    before the string; nothing after it is emitted."""
+    prompt = list(sg.prompts[0].ids)
+    want = sg.oracle.greedy(tuple(prompt), greedy(24))
+    requests, expected = {}, {}
+    for i in range(1, 17):
+        before, text = sg.oracle.decode(want[:i]), sg.oracle.decode(want[:i + 1])
+        if not text.startswith(before) or len(text) == len(before) or not before:
+            continue  # token i adds no whole characters of its own
+        stop = text[len(before) - 1:]  # the last character before token i, then token i's
+        if stop in before:
+            continue  # it would complete earlier
+        requests[f"stop-at-{i}"] = (prompt, greedy(24, stop=(stop,)))
+        expected[f"stop-at-{i}"] = (want[:i + 1], text[:text.find(stop)])
+    assert len(requests) >= 4, "the prompt gives too few offsets to place stop strings"
+    with open_driver(sg) as driver:
+        outcomes = run_all(driver, requests)
+    for rid, (ids, text) in expected.items():
+        o = outcomes[rid]
+        assert (o.output_ids, o.reason, o.text) == (ids, "stop", text), (
+            f"{rid}: got {len(o.output_ids)} tokens ({o.reason}) and text ending "
+            f"{o.text[-12:]!r}; expected {len(ids)} tokens (stop) and text ending {text[-12:]!r}")
+
+
 @pytest.mark.specgate_requires("stepwise", "forced_retract")
 def test_retract_middle_request(sg: SuiteContext) -> None:
     """The middle of three requests is retracted (every 2nd step) and resumes exactly."""
