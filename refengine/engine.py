@@ -145,7 +145,7 @@ class Engine:
             raise ValueError(f"rid: request {rid!r} is already live")
         ids = self.tokenize(prompt)
         if session_id is not None:
-            ids = self.sessions.context(session_id, rid) + ids
+            ids = self.sessions.context(session_id) + ids
         if len(ids) >= self.max_context_len:
             raise ValueError(f"prompt: {len(ids)} tokens exceed the context length "
                              f"{self.max_context_len} (room for at least one new token needed)")

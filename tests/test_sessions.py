@@ -12,7 +12,7 @@ from engine_helpers import drive, spec_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refengine import Engine, FinishEvent, SamplingParams
+from refengine import Engine, FinishEvent, RetractEvent, SamplingParams
 from refengine.memory.view import ceil_page
 
 ENGINES = [(None, False), ("chain-s3-n4", False), ("tree-s3-k4-n8", False),
@@ -93,7 +93,7 @@ def test_retracted_turn_keeps_its_prefix(spec_pair: tuple[Path, Path], fresh: En
     prefixes: list[int] = []
     run = drive(engine, after_step=lambda i, events: prefixes.extend(
         engine.memory().requests["t1"].committed for e in events
-        if type(e).__name__ == "RetractEvent"))
+        if isinstance(e, RetractEvent)))
     assert prefixes and set(prefixes) == {len(context) - 1}, prefixes
     want = fresh.generate([context + engine.tokenize(TURNS[1])], greedy(16))[0].output_ids
     assert list(run.finishes["t1"].output_ids) == want

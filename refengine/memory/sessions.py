@@ -66,7 +66,7 @@ class SessionStore:
             raise ValueError(f"session_id: no open session {session_id!r} (open_session first)")
         return session
 
-    def context(self, session_id: str, rid: str) -> list[int]:
+    def context(self, session_id: str) -> list[int]:
         """The tokens a new turn's prompt follows; refuses a second live turn."""
         session = self.get(session_id)
         if session.turn is not None:

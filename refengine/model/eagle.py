@@ -12,7 +12,6 @@ the head is fed its own predicted features.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -20,7 +19,13 @@ from torch import nn
 
 from refengine.memory.kv_pool import KVPool
 from refengine.model.llama import DecoderLayer, ForwardBatch, LlamaForCausalLM, RMSNorm
-from refengine.model.loader import ModelConfig, load_weights
+from refengine.model.loader import (
+    DRAFT_FILES,
+    ModelConfig,
+    load_weights,
+    read_config_json,
+    require_files,
+)
 
 EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
 
@@ -55,10 +60,8 @@ class EagleDraftModel(nn.Module):
     @classmethod
     def load(cls, path: Path, target: LlamaForCausalLM, dtype: torch.dtype,
              device: str) -> EagleDraftModel:
-        for name in ("config.json", "model.safetensors"):
-            if not (path / name).is_file():
-                raise FileNotFoundError(f"draft model directory {path} is missing {name}")
-        raw = json.loads((path / "config.json").read_text())
+        require_files(path, DRAFT_FILES, "draft model")
+        raw = read_config_json(path)
         if EAGLE_ARCHITECTURE not in raw.get("architectures", []):
             raise ValueError(f"{path / 'config.json'}: architectures must include "
                              f"{EAGLE_ARCHITECTURE!r}, got {raw.get('architectures')}")

@@ -43,7 +43,13 @@ from torch import nn
 from refengine.memory.kv_pool import KVPool
 from refengine.model.attention import AttentionMetadata, paged_attention
 from refengine.model.llama import LlamaForCausalLM, RMSNorm, RopeAt
-from refengine.model.loader import check_state_dict, load_weights, read_config_json
+from refengine.model.loader import (
+    DRAFT_FILES,
+    check_state_dict,
+    load_weights,
+    read_config_json,
+    require_files,
+)
 
 MTP_ARCHITECTURE = "FrozenKVMTPAssistant"
 MTP_MODEL_TYPE = "frozen_kv_mtp"
@@ -170,9 +176,7 @@ class FrozenKVMTPDraftModel(nn.Module):
     @classmethod
     def load(cls, path: Path, target: LlamaForCausalLM, dtype: torch.dtype,
              device: str) -> FrozenKVMTPDraftModel:
-        for name in ("config.json", "model.safetensors"):
-            if not (path / name).is_file():
-                raise FileNotFoundError(f"draft model directory {path} is missing {name}")
+        require_files(path, DRAFT_FILES, "draft model")
         source = path / "config.json"
         raw = read_config_json(path)
         if MTP_ARCHITECTURE not in raw.get("architectures", []):

@@ -152,7 +152,8 @@ def check_safetensors_header(path: Path) -> None:
                              "bytes the header describes")
 
 
-def _check_files(path: Path, required: tuple[str, ...], kind: str) -> None:
+def require_files(path: Path, required: tuple[str, ...], kind: str) -> None:
+    """FileNotFoundError naming the first of ``required`` missing from ``path``."""
     for name in required:
         if not (path / name).is_file():
             raise FileNotFoundError(f"{kind} directory {path} is missing {name}")
@@ -163,7 +164,7 @@ def check_model_dir(path: Path) -> None:
     file, a one-line ValueError for a config.json that does not parse or a damaged
     model.safetensors. Reads config.json and the safetensors header only, so it takes
     milliseconds whatever the model's size."""
-    _check_files(path, REQUIRED_FILES, "model")
+    require_files(path, REQUIRED_FILES, "model")
     load_config(path)
     check_safetensors_header(path / "model.safetensors")
 
@@ -171,7 +172,7 @@ def check_model_dir(path: Path) -> None:
 def check_draft_dir(path: Path) -> None:
     """``check_model_dir`` for a draft directory (an EAGLE head or a Frozen-KV MTP assistant),
     which has no tokenizer of its own."""
-    _check_files(path, DRAFT_FILES, "draft model")
+    require_files(path, DRAFT_FILES, "draft model")
     raw = read_config_json(path)
     if "FrozenKVMTPAssistant" in raw.get("architectures", []):
         # Imported here: the assistant's module imports this one for its weights.

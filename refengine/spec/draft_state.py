@@ -1,20 +1,24 @@
-"""DraftState: the running batch's DraftInput and which request each row belongs to.
+"""DraftState: the running batch's per-request draft state (EAGLE's ``DraftInput``, Frozen-KV
+MTP's ``SeedInput``) and which request each row belongs to.
 
 Rows follow the batch: ``aligned`` filters them to the requests about to decode (in that
 order), ``drop`` removes a request that finished, aborted or was retracted, ``add`` merges the
 rows of newly prefilled requests, ``install`` replaces the state after a decode step. Only a
-``DraftInput`` may be installed: it is the one phase type with ``filter_batch``/``merge_batch``.
+per-request state may be installed (never a ``VerifyInput``): those are the phase types with
+``filter_batch``/``merge_batch``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from refengine.spec.inputs import DraftInput
+from refengine.spec.inputs import DraftInput, SeedInput
+
+RowState = DraftInput | SeedInput  # what a worker keeps per request between steps
 
 
 class DraftState:
-    def __init__(self, idle: DraftInput) -> None:
+    def __init__(self, idle: RowState) -> None:
         self.rids: list[str] = []
         self.draft_input = idle
 
@@ -22,7 +26,7 @@ class DraftState:
         self.draft_input = self.draft_input.filter_batch(torch.tensor(keep, dtype=torch.int64))
         self.rids = [self.rids[i] for i in keep]
 
-    def add(self, rids: list[str], rows: DraftInput) -> None:
+    def add(self, rids: list[str], rows: RowState) -> None:
         self.draft_input = self.draft_input.merge_batch(rows)
         self.rids = self.rids + list(rids)
 
@@ -30,7 +34,7 @@ class DraftState:
         if rid in self.rids:
             self._keep([i for i, r in enumerate(self.rids) if r != rid])
 
-    def aligned(self, rids: list[str]) -> DraftInput:
+    def aligned(self, rids: list[str]) -> RowState:
         if rids == self.rids:
             return self.draft_input  # already aligned: the common step, no copy
         index = {r: i for i, r in enumerate(self.rids)}
@@ -40,6 +44,6 @@ class DraftState:
         self._keep([index[r] for r in rids])
         return self.draft_input
 
-    def install(self, rids: list[str], draft_input: DraftInput) -> None:
+    def install(self, rids: list[str], draft_input: RowState) -> None:
         self.rids = list(rids)
         self.draft_input = draft_input

@@ -37,6 +37,8 @@ from refengine.spec.inputs import DraftExtendInput, DraftInput, SeedInput, Verif
 
 
 class FrozenKVMTPWorker(EagleV1Worker):
+    # The current decode step's batch: built once in ``draft`` and shared by all its forwards.
+    _step_batch: ForwardBatch
     @property
     def lookahead(self) -> int:
         return self.spec.num_draft_tokens  # the verify block; drafting takes no slots
