@@ -16,7 +16,9 @@ import sys
 import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
+
+from conformance.quick_exit import exit_now
 
 if TYPE_CHECKING:  # the CLI imports heavy modules lazily, inside each command
     from rich.console import Console
@@ -469,5 +471,14 @@ def main(argv: list[str] | None = None) -> int:
         return INTERRUPTED
 
 
+def console_main() -> NoReturn:
+    """The ``specgate`` executable: after Ctrl-C, once the line is printed and the certificate
+    kept, the process ends without the interpreter's teardown (``conformance.quick_exit``)."""
+    code = main()
+    if code == INTERRUPTED:
+        exit_now(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -21,6 +21,7 @@ import torch
 from conformance.adapter import Backend, Capabilities
 from conformance.oracle import ReferenceOracle
 from conformance.prompts import PromptCase, load_prompt_set
+from conformance.quick_exit import WorkerInterruptExit
 from conformance.registry import BackendError, load_backend
 from conformance.specs import SpecChoice, resolve_specs
 
@@ -94,7 +95,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "specgate_requires(*capabilities): capabilities the "
                             "backend must claim (flags, or 'algorithm:<name>')")
     config.addinivalue_line("markers", "slow: long-running check")
-    if not hasattr(config, "workerinput"):  # xdist workers forward their reports instead
+    if hasattr(config, "workerinput"):  # xdist workers forward their reports instead
+        config.pluginmanager.register(WorkerInterruptExit(), "specgate-worker-exit")
+    else:
         config.pluginmanager.register(ResultCollector(config), "specgate-results")
 
 
