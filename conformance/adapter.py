@@ -80,6 +80,10 @@ class OpenConfig:
     max_prefill_tokens: int = 2048
     seed: int = 0
     retract_every: int = 0  # test hook: retract the middle decoding request every N steps
+    # Run the target's forwards through the backend's graph runner with this executor (for
+    # refengine "replay" or "compiled"); None: eager. Asked only of backends claiming
+    # ``graph_runner`` (certify --graphs).
+    graph_executor: str | None = None
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,19 @@ class Lane:
     label: str
     backend: str
     spec: SpecConfig | None
+    graphs: str | None = None  # the backend's graph executor (None: eager)
+
+
+def with_graph_lanes(lanes: list[Lane], graphs: str, claims: Callable[[str], bool]
+                     ) -> list[Lane]:
+    """Each lane of a backend that ``claims`` a graph runner, followed by its twin running
+    through it (label ``<lane>+<executor>``), so the two are timed side by side."""
+    out: list[Lane] = []
+    for lane in lanes:
+        out.append(lane)
+        if claims(lane.backend):
+            out.append(replace(lane, label=f"{lane.label}+{graphs}", graphs=graphs))
+    return out
 
 
 def lanes_for(spec: str, backends: list[str]) -> list[Lane]:
@@ -216,11 +229,14 @@ def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, 
               progress: BenchProgress, model: str = "tiny-code",
               loader: Callable[[str], Backend] | None = None,
               draft_model: str | None = None, min_requests: int = 1,
-              repeats: int = 1) -> BenchResult:
+              repeats: int = 1, graphs: str | None = None) -> BenchResult:
     """Time each backend on each batch size; ``loader`` defaults to the backend registry.
 
     Backends are opened once and warmed up once (batch 1, a few tokens: first-call allocations
     and lazy initialisation are not what we measure); the timed region is submit + step.
+    ``graphs``: every backend claiming a graph runner also runs through it, in its own lane;
+    such a lane runs each batch size's first group once untimed first (a compiled executor
+    compiles a shape on its first use: a cost per machine, reported, not timed).
     """
     if not backends:
         raise ValueError("--backends: at least one backend is needed")
@@ -241,6 +257,9 @@ def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, 
     if loader is None:
         from conformance.registry import load_backend  # lazy: the CLI imports this module early
         loader = load_backend
+    if graphs:
+        load = loader
+        lanes = with_graph_lanes(lanes, graphs, lambda b: load(b).capabilities().graph_runner)
 
     groups = {b: math.ceil(min_requests / b) for b in batch_sizes}
     prompts = load_prompts(model, max(b * g for b, g in groups.items()))
@@ -259,13 +278,19 @@ def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, 
             result.versions[lane.label] = f"{backend.name} {backend.version}"
             progress.note(f"opening {lane.label} ({result.versions[lane.label]}) on {model}")
             handles[lane.label] = backend.open(OpenConfig(
-                model=model, spec=lane.spec,
+                model=model, spec=lane.spec, graph_executor=lane.graphs,
                 kv_pool_tokens=max(OpenConfig.kv_pool_tokens, pool),
                 max_running_requests=max(OpenConfig.max_running_requests, biggest)))
             _run_batch(handles[lane.label], prompts[:1], _WARMUP_TOKENS, "warmup")
         for b in batch_sizes:
             progress.start(f"batch {b} ({groups[b]} group(s) x {repeats} repeat(s))")
             row = BenchRow(batch_size=b)
+            for lane in lanes:
+                if lane.graphs:
+                    start = time.perf_counter()
+                    _run_batch(handles[lane.label], prompts[:b], max_new_tokens, f"b{b}warmup")
+                    progress.note(f"{lane.label}: batch {b} warm-up (first use of its graph "
+                                  f"shapes) {time.perf_counter() - start:.1f} s, untimed")
             runs: dict[str, list[GroupRun]] = {lane.label: [] for lane in lanes}
             for g in range(groups[b]):
                 tries: dict[str, list[GroupRun]] = {lane.label: [] for lane in lanes}

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # the CLI imports heavy modules lazily, inside each command
     from conformance.specs import SpecChoice
     from conformance.suite_run import SuiteRun
 
+GRAPH_EXECUTORS = ("replay", "compiled")  # refengine's graph executors (EngineConfig)
 USAGE_ERROR = 2
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
 
@@ -61,9 +62,10 @@ def _stdout() -> Console:
     return console
 
 
-def _validate(spec: str, backends: list[str], model: str, draft_model: str | None = None
-              ) -> None:
-    """Everything a command needs, checked before any work: specs, backends, model files."""
+def _validate(spec: str, backends: list[str], model: str, draft_model: str | None = None,
+              graphs: str | None = None) -> None:
+    """Everything a command needs, checked before any work: specs, backends (and, with
+    ``graphs``, that each claims a graph runner), model files."""
     from conformance.registry import BackendError, load_backend
     from conformance.specs import resolve_specs
     from refengine.data import resolve_model_dir
@@ -73,7 +75,9 @@ def _validate(spec: str, backends: list[str], model: str, draft_model: str | Non
         drafts = {draft_model} if draft_model else {
             c.draft_model for choice in resolve_specs(spec) for c in choice.configs if c}
         for name in backends:
-            load_backend(name)
+            loaded = load_backend(name)
+            if graphs and not loaded.capabilities().graph_runner:
+                raise ValueError(f"--graphs: backend {name!r} does not claim graph_runner")
         check_model_dir(resolve_model_dir(model))
         for draft in sorted(drafts):
             check_draft_dir(resolve_model_dir(draft))
@@ -99,11 +103,11 @@ def _certify_one(args: argparse.Namespace, spec: SpecChoice, out_dir: Path,
     from conformance.suite_run import SuiteOptions, run_suite
 
     console.print(f"specgate certify: backend {args.backend}, spec {spec.name}, profile "
-                  f"{args.profile}, {args.workers} worker(s)")
+                  f"{args.profile}, graphs {args.graphs or 'off'}, {args.workers} worker(s)")
     out_dir.mkdir(parents=True, exist_ok=True)
     junit = out_dir / "junit.xml"
     opts = SuiteOptions(args.backend, spec.name, args.profile, args.model, args.draft_model,
-                        args.workers)
+                        workers=args.workers, graphs=args.graphs)
     with tempfile.TemporaryDirectory() as tmp:
         run = run_suite(opts, Path(tmp) / "results.json", junit, (TierProgress(console),))
     if junit.exists():
@@ -161,7 +165,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
     from conformance.report_dir import ReportDir, ReportDirError
     from conformance.specs import resolve_specs
 
-    _validate(args.spec, [args.backend], args.model, args.draft_model)
+    _validate(args.spec, [args.backend], args.model, args.draft_model, args.graphs)
     specs = resolve_specs(args.spec)
     try:
         target = ReportDir(Path(args.report))
@@ -344,10 +348,13 @@ def _write_atomically(path: Path, text: str) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from conformance.bench import format_table, parse_batch_sizes, run_bench
     from conformance.progress import Steps
+    from conformance.registry import load_backend
 
     backends = [b for b in (args.backends or ("refengine,hf" if args.spec == "none"
                                                else "refengine")).split(",") if b]
     _validate(args.spec, backends, args.model, args.draft_model)
+    if args.graphs and not any(load_backend(b).capabilities().graph_runner for b in backends):
+        raise UsageError(f"--graphs: none of {', '.join(backends)} claims graph_runner")
     json_path = _output_file(args.json) if args.json else None
     try:
         batch_sizes = parse_batch_sizes(args.batch_sizes)
@@ -355,7 +362,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result = run_bench(backends=backends, batch_sizes=batch_sizes,
                                max_new_tokens=args.max_new_tokens, spec=args.spec,
                                progress=steps, model=args.model, draft_model=args.draft_model,
-                               min_requests=args.min_requests, repeats=args.repeats)
+                               min_requests=args.min_requests, repeats=args.repeats,
+                               graphs=args.graphs)
     except (ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
     print(format_table(result))
@@ -406,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     certify.add_argument("--model", default="tiny-code", help="fixture name or model directory")
     certify.add_argument("--draft-model", default=None,
                          help="override the spec configurations' draft model")
+    certify.add_argument("--graphs", default=None, choices=GRAPH_EXECUTORS,
+                         help="run the backend's forwards through its graph runner with this "
+                              "executor (the backend must claim graph_runner); default: eager")
     certify.set_defaults(func=cmd_certify)
 
     gold = sub.add_parser("golden", formatter_class=fmt,
@@ -452,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also write the figures to this file (its directory is created)")
     bench.add_argument("--draft-model", default=None,
                        help="override the spec configurations' draft model")
+    bench.add_argument("--graphs", default=None, choices=GRAPH_EXECUTORS,
+                       help="also run each lane of a backend claiming graph_runner through its "
+                            "graph runner with this executor, in a lane of its own")
     bench.set_defaults(func=cmd_bench)
     return parser
 

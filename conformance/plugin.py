@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from conformance.adapter import Backend, Capabilities
+from conformance.adapter import Backend, Capabilities, OpenConfig, SpecConfig
 from conformance.oracle import ReferenceOracle
 from conformance.prompts import PromptCase, load_prompt_set
 from conformance.quick_exit import WorkerInterruptExit
@@ -55,11 +55,18 @@ class SuiteContext:
     spec: SpecChoice
     profile: Profile
     model: str = "tiny-code"
+    graph_executor: str | None = None  # --specgate-graphs
     _oracle: ReferenceOracle | None = field(default=None, repr=False)
 
     @property
     def prompts(self) -> tuple[PromptCase, ...]:
         return load_prompt_set(self.profile.prompt_set, self.model)
+
+    def open_config(self, spec: SpecConfig | None, **limits: int) -> OpenConfig:
+        """What every check opens the backend with: the model, ``spec``, the run's graph
+        executor, and the check's own limits."""
+        return replace(OpenConfig(model=self.model, spec=spec,
+                                  graph_executor=self.graph_executor), **limits)
 
     @property
     def oracle(self) -> ReferenceOracle:
@@ -81,6 +88,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="target model: a fixture name or an HF-format directory")
     group.addoption("--specgate-draft-model", default=None,
                     help="override the spec configurations' draft model (fixture or directory)")
+    group.addoption("--specgate-graphs", default=None, choices=("replay", "compiled"),
+                    help="run the backend's forwards through its graph runner with this "
+                         "executor (backends claiming graph_runner)")
     group.addoption("--specgate-results", default=None,
                     help="write per-check results (JSON) here")
 
@@ -113,9 +123,13 @@ def context(config: pytest.Config) -> SuiteContext:
                 spec = spec.with_draft_model(draft)
         except (BackendError, ValueError) as err:
             raise pytest.UsageError(str(err)) from None
-        ctx = SuiteContext(name, backend, backend.capabilities(), spec,
+        caps = backend.capabilities()
+        graphs = config.getoption("--specgate-graphs")
+        if graphs and not caps.graph_runner:
+            raise pytest.UsageError(f"--graphs: backend {name!r} does not claim graph_runner")
+        ctx = SuiteContext(name, backend, caps, spec,
                            PROFILES[config.getoption("--specgate-profile")],
-                           config.getoption("--specgate-model"))
+                           config.getoption("--specgate-model"), graphs)
         config._specgate_ctx = ctx  # type: ignore[attr-defined]
     return ctx
 
@@ -127,7 +141,8 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     ctx = context(config)
     claimed = ", ".join(f"{k}={v}" for k, v in ctx.caps.as_dict().items())
     return [f"specgate: backend {ctx.backend_name} ({ctx.backend.name} {ctx.backend.version}); "
-            f"spec {ctx.spec.name}; profile {ctx.profile.name}",
+            f"spec {ctx.spec.name}; profile {ctx.profile.name}; graphs "
+            f"{ctx.graph_executor or 'off'}",
             f"specgate: capabilities: {claimed}"]
 
 
@@ -231,6 +246,6 @@ class ResultCollector:
                 "backend": {"name": ctx.backend.name, "version": ctx.backend.version,
                             "resolved_from": ctx.backend_name},
                 "capabilities": ctx.caps.as_dict(), "spec": ctx.spec.name,
-                "profile": ctx.profile.name, "vacuous": vacuous,
+                "profile": ctx.profile.name, "graphs": ctx.graph_executor, "vacuous": vacuous,
                 "interrupted": self.interrupted, "checks": rows,
             }, indent=1))

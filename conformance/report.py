@@ -46,6 +46,7 @@ class Certificate:
     checks: list[dict[str, object]]
     matrix: dict[str, dict[str, str]]  # capability -> tier -> status of checks needing it
     interrupted: bool = False
+    graphs: str | None = None  # the backend's graph executor the run asked for (None: eager)
 
     @property
     def total_checks(self) -> int:
@@ -110,7 +111,8 @@ def build_certificate(results: dict[str, object]) -> Certificate:
                                            else "zero checks collected"),
         environment=_environment(),
         created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ"),
-        checks=checks, matrix=matrix, interrupted=interrupted)
+        checks=checks, matrix=matrix, interrupted=interrupted,
+        graphs=results.get("graphs"))  # type: ignore[arg-type]
 
 
 def headline(cert: Certificate) -> str:
@@ -144,7 +146,8 @@ def render_markdown(cert: Certificate) -> str:
     b = cert.backend
     out = [f"# specgate certificate: {b['name']} {b['version']}", "",
            f"- result: **{headline(cert)}**",
-           f"- spec: `{cert.spec}`, profile: `{cert.profile}`",
+           f"- spec: `{cert.spec}`, profile: `{cert.profile}`, graphs: "
+           f"`{cert.graphs or 'off'}`",
            f"- backend resolved from: `{b['resolved_from']}`",
            f"- created: {cert.created}", ""]
     if cert.interrupted:

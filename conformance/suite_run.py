@@ -33,6 +33,7 @@ class SuiteOptions:
     profile: str
     model: str
     draft_model: str | None = None
+    graphs: str | None = None         # the backend's graph executor (None: eager)
     workers: int = 0                  # pytest-xdist workers; 0 or 1 runs in-process
     stop_at_first_failure: bool = False
 
@@ -86,6 +87,8 @@ def suite_args(opts: SuiteOptions, results: Path, junit: Path | None) -> list[st
             "-W", "ignore::DeprecationWarning"]
     if opts.draft_model:
         args += ["--specgate-draft-model", opts.draft_model]
+    if opts.graphs:
+        args += ["--specgate-graphs", opts.graphs]
     if junit is not None:
         args += ["--junitxml", str(junit)]
     if opts.stop_at_first_failure:

@@ -128,7 +128,13 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     strict_mem_check: bool = True
+    # Target decode and verify forwards through the graph runner (refengine/graph/): staged on
+    # static bucket-padded buffers and run by ``graph_executor``: "compiled" (torch.compile
+    # per key, what makes a CPU engine faster; first use of a key compiles it) or "replay"
+    # (the captured callable run eagerly on the static buffers: staging and padding under test,
+    # no speed-up).
     cuda_graph: bool = False
+    graph_executor: Literal["compiled", "replay"] = "compiled"
     seed: int = 0
     retract_every: int = 0  # test hook: retract the middle decoding request every N decode steps
     # Overlap scheduling (SpecConfig(overlap=True)): run each decode step's forwards on a worker
@@ -162,5 +168,7 @@ class EngineConfig:
                  f"must be an integer >= 0 (0 = off), got {self.retract_every!r}")
         _require(isinstance(self.overlap_thread, bool), "overlap_thread",
                  f"must be a bool, got {self.overlap_thread!r}")
-        _require(not self.cuda_graph, "cuda_graph",
-                 "the graph runner is not implemented yet; use cuda_graph=False")
+        _require(isinstance(self.cuda_graph, bool), "cuda_graph",
+                 f"must be a bool, got {self.cuda_graph!r}")
+        _require(self.graph_executor in ("compiled", "replay"), "graph_executor",
+                 f"must be 'compiled' or 'replay', got {self.graph_executor!r}")

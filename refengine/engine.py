@@ -24,6 +24,7 @@ from refengine.clock import PhaseClock
 from refengine.config import EngineConfig, SamplingParams
 from refengine.data import resolve_model_dir
 from refengine.events import Event, FinishEvent, RetractEvent
+from refengine.graph.runner import GraphRunner
 from refengine.memory.manager import KVManager
 from refengine.memory.sessions import SessionStore
 from refengine.memory.view import MemoryView, ceil_page
@@ -93,7 +94,12 @@ class Engine:
                 1 + reserve_tokens(spec) + config.page_size if spec.overlap
                 else max(spec.topk * spec.num_steps, spec.num_draft_tokens)))
         self.clock = PhaseClock()
-        self.runner = self.runner_class(self.model, draft, self.kv)
+        self.runner: ModelRunner | GraphRunner = self.runner_class(self.model, draft, self.kv)
+        if config.cuda_graph:
+            self.runner = GraphRunner(self.runner, config.graph_executor,
+                                      max_bs=config.max_running_requests,
+                                      verify_tokens=None if spec is None
+                                      else spec.num_draft_tokens)
         self.worker: SpecWorker | None = None
         if spec is not None:
             self.worker = self.worker_classes[spec.algorithm, spec.overlap](

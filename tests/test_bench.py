@@ -142,6 +142,21 @@ def test_overlap_lanes_sit_beside_their_sequential_twins() -> None:
     assert [ln.spec.overlap for ln in lanes[1:] if ln.spec] == [False, True, False, True]
 
 
+def test_graph_lanes_sit_beside_their_eager_twins(random_model_dir: Path) -> None:
+    """--graphs: a twin lane through the graph runner for each backend claiming one (not hf),
+    with the same tokens as its eager twin; its warm-up is reported, not timed."""
+    lanes = bench.with_graph_lanes(bench.lanes_for("none", ["refengine", "hf"]), "replay",
+                                   lambda b: b == "refengine")
+    assert [(ln.label, ln.graphs) for ln in lanes] == [
+        ("refengine", None), ("refengine+replay", "replay"), ("hf", None)]
+    recorder = Recorder()
+    result = run_bench(["refengine"], [2], 4, "none", recorder, model=str(random_model_dir),
+                       graphs="replay")
+    assert result.backends == ["refengine", "refengine+replay"]
+    assert result.rows[0].results["refengine+replay"].total_tokens == 2 * 4
+    assert any("refengine+replay: batch 2 warm-up" in line for line in recorder.lines)
+
+
 def test_parse_batch_sizes() -> None:
     assert parse_batch_sizes("1,8,32") == [1, 8, 32]
     assert parse_batch_sizes(" 4 ") == [4]

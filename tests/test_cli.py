@@ -210,6 +210,15 @@ def test_golden_unknown_prompt_set(capsys: pytest.CaptureFixture[str]) -> None:
     assert_usage_error(code, err, "unknown prompt set", "nope")
 
 
+@pytest.mark.parametrize("command", ["certify", "bench"])
+def test_graphs_need_a_backend_that_claims_a_graph_runner(
+        capsys: pytest.CaptureFixture[str], random_model_dir: Path, command: str) -> None:
+    backend = ["--backend", "hf"] if command == "certify" else ["--backends", "hf"]
+    code, _, err = run(capsys, command, *backend, "--model", str(random_model_dir),
+                       "--graphs", "replay")
+    assert_usage_error(code, err, "--graphs", "graph_runner")
+
+
 def test_hf_backend_without_transformers_names_the_extra(
         capsys: pytest.CaptureFixture[str], random_model_dir: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -56,7 +56,8 @@ class RefEngineBackend:
                             sampling=True,
                             stepwise=True, abort=True, memory_view=True, acceptance_stats=True,
                             reference_draft=True, worker_hooks=True, forced_retract=True,
-                            kernels=True, overlap=True, sessions=True, in_flight=True)
+                            kernels=True, overlap=True, sessions=True, in_flight=True,
+                            graph_runner=True)
 
     def kernel_impls(self) -> KernelImpls:
         """Tree kernels for the kernel tier: Triton where it can run (a GPU, or
@@ -68,7 +69,8 @@ class RefEngineBackend:
             model=cfg.model, spec=cfg.spec, kv_pool_tokens=cfg.kv_pool_tokens,
             page_size=cfg.page_size, max_running_requests=cfg.max_running_requests,
             max_prefill_tokens=cfg.max_prefill_tokens, seed=cfg.seed, strict_mem_check=True,
-            retract_every=cfg.retract_every)))
+            retract_every=cfg.retract_every, cuda_graph=cfg.graph_executor is not None,
+            graph_executor=cfg.graph_executor or "compiled")))
 
 
 def backend() -> RefEngineBackend:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Literal
 
 import pytest
 
-from conformance.adapter import OpenConfig, SamplingParams, SpecConfig
+from conformance.adapter import SamplingParams, SpecConfig
 from conformance.driver import Driver, Outcome, step_budget
 from conformance.plugin import SuiteContext, context
 from conformance.specs import config_id
@@ -29,8 +28,7 @@ def open_driver(sg: SuiteContext, spec: SpecConfig | Literal["first"] | None = "
     """A fresh engine instance of the backend under test. ``spec``: a configuration of the
     spec being certified; by default its first one."""
     chosen = sg.spec.configs[0] if spec == "first" else spec
-    cfg = replace(OpenConfig(model=sg.model, spec=chosen), **limits)
-    handle = sg.backend.open(cfg)
+    handle = sg.backend.open(sg.open_config(chosen, **limits))
     try:
         yield Driver(handle, sg.caps, overlap=chosen is not None and chosen.overlap)
     finally:

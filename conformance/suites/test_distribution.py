@@ -91,9 +91,9 @@ class Run:
 def sample(backend: Backend, sg: SuiteContext, spec: SpecConfig | None,
            prompt: tuple[int, ...], inspect: Callable[[object], None] | None = None) -> Run:
     """``SAMPLES`` seeded requests through the Driver (event-stream and memory checks on)."""
-    cfg = OpenConfig(model=sg.model, spec=spec, max_running_requests=BATCH,
-                     kv_pool_tokens=BATCH * (len(prompt) + 64),
-                     max_prefill_tokens=max(2048, BATCH * len(prompt)))
+    cfg = sg.open_config(spec, max_running_requests=BATCH,
+                         kv_pool_tokens=BATCH * (len(prompt) + 64),
+                         max_prefill_tokens=max(2048, BATCH * len(prompt)))
     start = time.perf_counter()  # one torch thread, as the whole suite (the ``sg`` fixture)
     handle = backend.open(cfg)
     try:

@@ -1,0 +1,77 @@
+"""``EngineConfig(cuda_graph=True)``: the engine's target decode and verify forwards go through
+the graph runner, and the tokens, acceptance and seeded samples are the eager engine's, for
+plain decoding, EAGLE V1 chain and tree, and V2, with retraction forced on the way."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from engine_helpers import SPEC_PROMPTS, spec_engine
+
+from refengine import Engine, SamplingParams
+from refengine.graph import GraphRunner
+from refengine.graph.executors import GraphKey, ReplayExecutor
+
+# Staggered lengths: the batch shrinks as requests finish, so several buckets replay.
+STAGGERED = [SamplingParams(max_new_tokens=6 + 4 * i, ignore_eos=True)
+             for i in range(len(SPEC_PROMPTS))]
+
+
+class CountingReplay(ReplayExecutor):
+    """The replay executor, counting the keys it runs."""
+
+    def __init__(self, runner: GraphRunner) -> None:
+        super().__init__(runner.static_forward)
+        self.keys: Counter[GraphKey] = Counter()
+
+    def run(self, key: GraphKey, views: object) -> object:  # type: ignore[override]
+        self.keys[key] += 1
+        return super().run(key, views)  # type: ignore[arg-type]
+
+
+def graph_engine(pair: tuple[Path, Path], config: str | None, overlap: bool = False,
+                 **kw: object) -> tuple[Engine, CountingReplay]:
+    engine = spec_engine(pair, config, overlap, cuda_graph=True, graph_executor="replay",
+                         max_running_requests=8, **kw)
+    assert isinstance(engine.runner, GraphRunner)
+    counting = CountingReplay(engine.runner)
+    engine.runner.executor = counting
+    return engine, counting
+
+
+@pytest.mark.parametrize(("config", "overlap", "kinds"), [
+    (None, False, {"decode"}),
+    ("chain-s3-n4", False, {"verify"}),
+    ("tree-s3-k4-n8", False, {"verify"}),
+    ("tree-s3-k4-n8", True, {"verify"}),
+])
+@pytest.mark.parametrize("retract_every", [0, 3])
+def test_graph_engine_equals_eager(spec_pair: tuple[Path, Path], config: str | None,
+                                   overlap: bool, kinds: set[str], retract_every: int) -> None:
+    eager = spec_engine(spec_pair, config, overlap, max_running_requests=8,
+                        retract_every=retract_every).generate(SPEC_PROMPTS, STAGGERED)
+    engine, counting = graph_engine(spec_pair, config, overlap, retract_every=retract_every)
+    graphed = engine.generate(SPEC_PROMPTS, STAGGERED)
+    assert [o.output_ids for o in graphed] == [o.output_ids for o in eager]
+    assert [o.accept_lens for o in graphed] == [o.accept_lens for o in eager]
+    assert {k.kind for k in counting.keys} == kinds, counting.keys
+    assert len({k.bucket for k in counting.keys}) > 1, counting.keys
+
+
+def test_seeded_samples_equal_eager(spec_pair: tuple[Path, Path]) -> None:
+    params = [SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=s,
+                             ignore_eos=True) for s in range(len(SPEC_PROMPTS))]
+    eager = spec_engine(spec_pair, "tree-s3-k4-n8").generate(SPEC_PROMPTS, params)
+    engine, counting = graph_engine(spec_pair, "tree-s3-k4-n8")
+    assert [o.output_ids for o in engine.generate(SPEC_PROMPTS, params)] == \
+        [o.output_ids for o in eager]
+    assert counting.keys
+
+
+def test_graph_executor_is_validated() -> None:
+    from refengine import EngineConfig
+
+    with pytest.raises(ValueError, match=r"^graph_executor: "):
+        EngineConfig(cuda_graph=True, graph_executor="cuda")  # type: ignore[arg-type]
