@@ -235,8 +235,9 @@ def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, 
     Backends are opened once and warmed up once (batch 1, a few tokens: first-call allocations
     and lazy initialisation are not what we measure); the timed region is submit + step.
     ``graphs``: every backend claiming a graph runner also runs through it, in its own lane;
-    such a lane runs each batch size's first group once untimed first (a compiled executor
-    compiles a shape on its first use: a cost per machine, reported, not timed).
+    such a lane runs each batch size's groups once untimed first (a compiled executor
+    compiles a shape, batch bucket and key width, on its first use: a cost per machine,
+    reported, not timed).
     """
     if not backends:
         raise ValueError("--backends: at least one backend is needed")
@@ -288,7 +289,9 @@ def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, 
             for lane in lanes:
                 if lane.graphs:
                     start = time.perf_counter()
-                    _run_batch(handles[lane.label], prompts[:b], max_new_tokens, f"b{b}warmup")
+                    for g in range(groups[b]):
+                        _run_batch(handles[lane.label], prompts[g * b:(g + 1) * b],
+                                   max_new_tokens, f"b{b}g{g}warmup")
                     progress.note(f"{lane.label}: batch {b} warm-up (first use of its graph "
                                   f"shapes) {time.perf_counter() - start:.1f} s, untimed")
             runs: dict[str, list[GroupRun]] = {lane.label: [] for lane in lanes}
