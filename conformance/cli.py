@@ -23,12 +23,14 @@ from conformance.quick_exit import exit_now
 if TYPE_CHECKING:  # the CLI imports heavy modules lazily, inside each command
     from rich.console import Console
 
-    from conformance.adapter import SpecConfig
+    from conformance.adapter import Backend, SpecConfig
     from conformance.report import Certificate
     from conformance.specs import SpecChoice
     from conformance.suite_run import SuiteRun
 
-GRAPH_EXECUTORS = ("replay", "compiled")  # refengine's graph executors (EngineConfig)
+# refengine.config.GRAPH_EXECUTORS, spelled out so building the parser does not import torch
+# (tests/test_cli.py keeps the two equal)
+GRAPH_EXECUTORS = ("compiled", "replay")
 USAGE_ERROR = 2
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
 
@@ -62,10 +64,10 @@ def _stdout() -> Console:
     return console
 
 
-def _validate(spec: str, backends: list[str], model: str, draft_model: str | None = None,
-              graphs: str | None = None) -> None:
-    """Everything a command needs, checked before any work: specs, backends (and, with
-    ``graphs``, that each claims a graph runner), model files."""
+def _validate(spec: str, backends: list[str], model: str, draft_model: str | None = None
+              ) -> list[Backend]:
+    """Everything a command needs, checked before any work: specs, backends, model files;
+    -> the backends, loaded."""
     from conformance.registry import BackendError, load_backend
     from conformance.specs import resolve_specs
     from refengine.data import resolve_model_dir
@@ -74,15 +76,13 @@ def _validate(spec: str, backends: list[str], model: str, draft_model: str | Non
     try:
         drafts = {draft_model} if draft_model else {
             c.draft_model for choice in resolve_specs(spec) for c in choice.configs if c}
-        for name in backends:
-            loaded = load_backend(name)
-            if graphs and not loaded.capabilities().graph_runner:
-                raise ValueError(f"--graphs: backend {name!r} does not claim graph_runner")
+        loaded = [load_backend(name) for name in backends]
         check_model_dir(resolve_model_dir(model))
         for draft in sorted(drafts):
             check_draft_dir(resolve_model_dir(draft))
     except (BackendError, ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
+    return loaded
 
 
 # --- certify ----------------------------------------------------------------------------------
@@ -165,7 +165,9 @@ def cmd_certify(args: argparse.Namespace) -> int:
     from conformance.report_dir import ReportDir, ReportDirError
     from conformance.specs import resolve_specs
 
-    _validate(args.spec, [args.backend], args.model, args.draft_model, args.graphs)
+    (backend,) = _validate(args.spec, [args.backend], args.model, args.draft_model)
+    if args.graphs and not backend.capabilities().graph_runner:
+        raise UsageError(f"--graphs: backend {args.backend!r} does not claim graph_runner")
     specs = resolve_specs(args.spec)
     try:
         target = ReportDir(Path(args.report))
@@ -348,12 +350,11 @@ def _write_atomically(path: Path, text: str) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from conformance.bench import format_table, parse_batch_sizes, run_bench
     from conformance.progress import Steps
-    from conformance.registry import load_backend
 
     backends = [b for b in (args.backends or ("refengine,hf" if args.spec == "none"
                                                else "refengine")).split(",") if b]
-    _validate(args.spec, backends, args.model, args.draft_model)
-    if args.graphs and not any(load_backend(b).capabilities().graph_runner for b in backends):
+    loaded = _validate(args.spec, backends, args.model, args.draft_model)
+    if args.graphs and not any(b.capabilities().graph_runner for b in loaded):
         raise UsageError(f"--graphs: none of {', '.join(backends)} claims graph_runner")
     json_path = _output_file(args.json) if args.json else None
     try:

@@ -24,6 +24,7 @@ from conformance.prompts import PromptCase, load_prompt_set
 from conformance.quick_exit import WorkerInterruptExit
 from conformance.registry import BackendError, load_backend
 from conformance.specs import SpecChoice, resolve_specs
+from refengine.config import GRAPH_EXECUTORS
 
 NOT_CLAIMED = "not claimed"
 DEFAULT_BACKEND = "refengine"
@@ -88,7 +89,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="target model: a fixture name or an HF-format directory")
     group.addoption("--specgate-draft-model", default=None,
                     help="override the spec configurations' draft model (fixture or directory)")
-    group.addoption("--specgate-graphs", default=None, choices=("replay", "compiled"),
+    group.addoption("--specgate-graphs", default=None, choices=GRAPH_EXECUTORS,
                     help="run the backend's forwards through its graph runner with this "
                          "executor (backends claiming graph_runner)")
     group.addoption("--specgate-results", default=None,

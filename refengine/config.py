@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+GRAPH_EXECUTORS = ("compiled", "replay")  # EngineConfig.graph_executor's values
+
 
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
@@ -170,5 +172,5 @@ class EngineConfig:
                  f"must be a bool, got {self.overlap_thread!r}")
         _require(isinstance(self.cuda_graph, bool), "cuda_graph",
                  f"must be a bool, got {self.cuda_graph!r}")
-        _require(self.graph_executor in ("compiled", "replay"), "graph_executor",
-                 f"must be 'compiled' or 'replay', got {self.graph_executor!r}")
+        _require(self.graph_executor in GRAPH_EXECUTORS, "graph_executor",
+                 f"must be one of {', '.join(GRAPH_EXECUTORS)}, got {self.graph_executor!r}")

@@ -210,6 +210,13 @@ def test_golden_unknown_prompt_set(capsys: pytest.CaptureFixture[str]) -> None:
     assert_usage_error(code, err, "unknown prompt set", "nope")
 
 
+def test_graph_executor_choices_are_the_engines() -> None:
+    from conformance import cli
+    from refengine.config import GRAPH_EXECUTORS
+
+    assert cli.GRAPH_EXECUTORS == GRAPH_EXECUTORS
+
+
 @pytest.mark.parametrize("command", ["certify", "bench"])
 def test_graphs_need_a_backend_that_claims_a_graph_runner(
         capsys: pytest.CaptureFixture[str], random_model_dir: Path, command: str) -> None:
