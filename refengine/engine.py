@@ -61,6 +61,7 @@ class Engine:
     kv_manager_class: type[KVManager] = KVManager
     scheduler_class: type[Scheduler] = Scheduler
     runner_class: type[ModelRunner] = ModelRunner
+    graph_runner_class: type[GraphRunner] = GraphRunner  # wraps the runner (cuda_graph=True)
     # (algorithm, overlap scheduling) -> the SpecWorker that runs it
     worker_classes: ClassVar[dict[tuple[str, bool], type[EagleV1Worker]]] = {
         ("eagle", False): EagleV1Worker, ("eagle", True): EagleV2Worker,
@@ -96,10 +97,12 @@ class Engine:
         self.clock = PhaseClock()
         self.runner: ModelRunner | GraphRunner = self.runner_class(self.model, draft, self.kv)
         if config.cuda_graph:
-            self.runner = GraphRunner(self.runner, config.graph_executor,
+            self.runner = self.graph_runner_class(self.runner, config.graph_executor,
                                       max_bs=config.max_running_requests,
                                       verify_tokens=None if spec is None
-                                      else spec.num_draft_tokens)
+                                      else spec.num_draft_tokens,
+                                      draft_steps=None if spec is None
+                                      else (spec.topk, spec.num_steps))
         self.worker: SpecWorker | None = None
         if spec is not None:
             self.worker = self.worker_classes[spec.algorithm, spec.overlap](

@@ -23,6 +23,10 @@ from refengine.spec.inputs import DraftExtendInput, VerifyInput
 
 
 class ModelRunner:
+    # A runner that replays whole draft steps (the graph runner's ``DraftLoopGraph``); the
+    # eager runner has none, so workers draft forward by forward.
+    draft_loop = None
+
     def __init__(self, target: LlamaForCausalLM,
                  draft: EagleDraftModel | FrozenKVMTPDraftModel | None, kv: KVManager) -> None:
         self.target = target

@@ -136,14 +136,22 @@ SPEC_GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 
 def spec_engine(pair: tuple[Path, Path], config: str | None, overlap: bool = False,
-                **kw: object) -> Engine:
+                draft: Path | None = None, algorithm: str = "eagle", **kw: object) -> Engine:
     """An engine on the spec pair's target: plain (``config=None``) or one of ``SPEC_SHAPES``
-    with the pair's draft head, under overlap scheduling if asked."""
-    target, draft = pair
+    with the pair's draft head (or ``draft`` of ``algorithm``), under overlap scheduling if
+    asked."""
+    target, head = pair
     spec = None
     if config is not None:
         steps, topk, tokens = SPEC_SHAPES[config]
-        spec = SpecConfig(draft_model=str(draft), num_steps=steps, topk=topk,
+        spec = SpecConfig(algorithm=algorithm,  # type: ignore[arg-type]
+                          draft_model=str(draft or head), num_steps=steps, topk=topk,
                           num_draft_tokens=tokens, overlap=overlap)
     return Engine(EngineConfig(model=str(target), spec=spec, **{"kv_pool_tokens": 4096, **kw}))
 
+
+def mtp_engine(pair: tuple[Path, Path], mtp: Path, config: str | None, overlap: bool = False,
+               **kw: object) -> Engine:
+    """``spec_engine`` with the Frozen-KV MTP assistant ``mtp``, strict checks on."""
+    return spec_engine(pair, config, overlap, draft=mtp, algorithm="frozen_kv_mtp",
+                       **{"strict_mem_check": True, **kw})

@@ -1,6 +1,7 @@
-"""``EngineConfig(cuda_graph=True)``: the engine's target decode and verify forwards go through
-the graph runner, and the tokens, acceptance and seeded samples are the eager engine's, for
-plain decoding, EAGLE V1 chain and tree, and V2, with retraction forced on the way."""
+"""``EngineConfig(cuda_graph=True)``: the engine's target decode and verify forwards and its
+whole draft steps (EAGLE's loop, Frozen-KV MTP's with the seed folded in) go through the graph
+runner, and the tokens, acceptance and seeded samples are the eager engine's, for plain
+decoding, EAGLE and MTP V1 chain and tree, and V2, with retraction forced on the way."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from engine_helpers import SPEC_PROMPTS, spec_engine
+from engine_helpers import SPEC_PROMPTS, mtp_engine, spec_engine
 
 from refengine import Engine, SamplingParams
 from refengine.graph import GraphRunner
@@ -31,21 +32,39 @@ class CountingReplay(ReplayExecutor):
         return super().run(key, views)  # type: ignore[arg-type]
 
 
-def graph_engine(pair: tuple[Path, Path], config: str | None, overlap: bool = False,
-                 **kw: object) -> tuple[Engine, CountingReplay]:
-    engine = spec_engine(pair, config, overlap, cuda_graph=True, graph_executor="replay",
-                         max_running_requests=8, **kw)
+def count_draft_loops(runner: GraphRunner, keys: Counter[GraphKey]) -> None:
+    """Count the draft loop's replays in ``keys`` too (kind "draft:eagle"/"draft:mtp")."""
+    loop = runner.draft_loop
+    if loop is None:
+        return
+    execute = loop.execute
+
+    def counted(key: tuple[int, int], views: dict) -> object:
+        keys[GraphKey(loop.kind, *key)] += 1
+        return execute(key, views)
+
+    loop.execute = counted  # type: ignore[method-assign,assignment]
+
+
+def counted(engine: Engine) -> tuple[Engine, CountingReplay]:
     assert isinstance(engine.runner, GraphRunner)
     counting = CountingReplay(engine.runner)
     engine.runner.executor = counting
+    count_draft_loops(engine.runner, counting.keys)
     return engine, counting
+
+
+def graph_engine(pair: tuple[Path, Path], config: str | None, overlap: bool = False,
+                 **kw: object) -> tuple[Engine, CountingReplay]:
+    return counted(spec_engine(pair, config, overlap, cuda_graph=True, graph_executor="replay",
+                               max_running_requests=8, **kw))
 
 
 @pytest.mark.parametrize(("config", "overlap", "kinds"), [
     (None, False, {"decode"}),
-    ("chain-s3-n4", False, {"verify"}),
-    ("tree-s3-k4-n8", False, {"verify"}),
-    ("tree-s3-k4-n8", True, {"verify"}),
+    ("chain-s3-n4", False, {"verify", "draft:eagle"}),
+    ("tree-s3-k4-n8", False, {"verify", "draft:eagle"}),
+    ("tree-s3-k4-n8", True, {"verify", "draft:eagle"}),
 ])
 @pytest.mark.parametrize("retract_every", [0, 3])
 def test_graph_engine_equals_eager(spec_pair: tuple[Path, Path], config: str | None,
@@ -58,6 +77,24 @@ def test_graph_engine_equals_eager(spec_pair: tuple[Path, Path], config: str | N
     assert [o.accept_lens for o in graphed] == [o.accept_lens for o in eager]
     assert {k.kind for k in counting.keys} == kinds, counting.keys
     assert len({k.bucket for k in counting.keys}) > 1, counting.keys
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["v1", "v2"])
+@pytest.mark.parametrize("config", ["chain-s3-n4", "tree-s3-k4-n8"])
+def test_mtp_graph_engine_equals_eager(spec_pair: tuple[Path, Path], mtp_dir: Path,
+                                       config: str, overlap: bool) -> None:
+    """Frozen-KV MTP's folded seed (iteration 0 of the replayed loop, on restaged bonus
+    tokens) gives the eager seed-then-loop's drafts: same tokens, same acceptance."""
+    eager = mtp_engine(spec_pair, mtp_dir, config, overlap, max_running_requests=8,
+                       retract_every=3).generate(SPEC_PROMPTS, STAGGERED)
+    engine, counting = counted(mtp_engine(spec_pair, mtp_dir, config, overlap,
+                                          max_running_requests=8, retract_every=3,
+                                          cuda_graph=True, graph_executor="replay"))
+    graphed = engine.generate(SPEC_PROMPTS, STAGGERED)
+    assert [o.output_ids for o in graphed] == [o.output_ids for o in eager]
+    assert [o.accept_lens for o in graphed] == [o.accept_lens for o in eager]
+    assert {k.kind for k in counting.keys} == {"verify", "draft:mtp"}, counting.keys
+    assert len({k.bucket for k in counting.keys if k.kind == "draft:mtp"}) > 1, counting.keys
 
 
 def test_seeded_samples_equal_eager(spec_pair: tuple[Path, Path]) -> None:

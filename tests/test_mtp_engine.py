@@ -8,24 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import SPEC_GREEDY, SPEC_PROMPTS, drive
+from engine_helpers import SPEC_GREEDY, SPEC_PROMPTS, drive, mtp_engine
 
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
 from refengine.runner import ModelRunner
 from refengine.spec.inputs import SeedInput
 
-SHAPES = {"chain-s3-n4": (3, 1, 4), "tree-s3-k4-n8": (3, 4, 8)}
-
-
-def mtp_engine(pair: tuple[Path, Path], mtp: Path, config: str | None, overlap: bool = False,
-               **kw: object) -> Engine:
-    spec = None
-    if config is not None:
-        steps, topk, tokens = SHAPES[config]
-        spec = SpecConfig(algorithm="frozen_kv_mtp", draft_model=str(mtp), num_steps=steps,
-                          topk=topk, num_draft_tokens=tokens, overlap=overlap)
-    return Engine(EngineConfig(model=str(pair[0]), spec=spec,
-                               **{"kv_pool_tokens": 4096, "strict_mem_check": True, **kw}))
+SHAPES = ["chain-s3-n4", "tree-s3-k4-n8"]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +25,7 @@ def plain(spec_pair: tuple[Path, Path], mtp_dir: Path) -> list[list[int]]:
 
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("overlap", [False, True], ids=["v1", "v2"])
-@pytest.mark.parametrize("config", list(SHAPES))
+@pytest.mark.parametrize("config", SHAPES)
 def test_mtp_greedy_equals_plain(spec_pair: tuple[Path, Path], mtp_dir: Path,
                                  plain: list[list[int]], config: str, overlap: bool,
                                  page_size: int) -> None:

@@ -13,6 +13,7 @@ from engine_helpers import SPEC_GREEDY, SPEC_PROMPTS, SPEC_SHAPES, spec_engine
 from refengine import SamplingParams
 from refengine.memory.view import idle_error
 from refengine.request import Req
+from refengine.spec.draft_search import beam_search, chain_search
 from refengine.spec.inputs import DraftInput, VerifyInput
 
 PROMPTS, CONFIGS, GREEDY = SPEC_PROMPTS, SPEC_SHAPES, SPEC_GREEDY
@@ -49,19 +50,24 @@ def test_chain_draft_equals_tree_draft_with_topk_1(spec_pair: tuple[Path, Path],
     e = engine(spec_pair, "chain-s3-n4", page_size=page_size)
     worker = e.worker
     assert worker is not None
-    chain_draft, batch_sizes = worker.draft_chain, []
+    batch_sizes: list[int] = []
 
-    def both(reqs: list[Req], din: DraftInput) -> VerifyInput:
+    def both(reqs: list[Req], din: DraftInput) -> torch.Tensor:
         free = e.kv.allocator.free_slots
-        chain = chain_draft(reqs, din)
-        tree = worker.draft_tree(reqs, din)
+        with worker.draft_forwards(reqs, 1) as forward:
+            chain = chain_search(din, worker.spec.num_steps, forward)
+        with worker.draft_forwards(reqs, 1) as forward:
+            beam = beam_search(din, worker.spec.num_steps, 1, forward)
         assert e.kv.allocator.free_slots == free
+        roots = worker.root_tokens(din)
+        chain_input = worker.to_verify_input(reqs, roots, chain)
+        tree_input = worker.to_verify_input(reqs, roots, beam)
         for f in fields(VerifyInput):
-            assert torch.equal(getattr(chain, f.name), getattr(tree, f.name)), f.name
+            assert torch.equal(getattr(chain_input, f.name), getattr(tree_input, f.name)), f.name
         batch_sizes.append(len(reqs))
         return chain
 
-    worker.draft_chain = both  # type: ignore[method-assign]
+    worker.eager_search = both  # type: ignore[method-assign]
     e.generate(PROMPTS, GREEDY)
     assert max(batch_sizes) == len(PROMPTS) and min(batch_sizes) >= 1
 

@@ -1,7 +1,9 @@
-"""Graph runner for the target's decode and verify forwards: bucketed static buffers with a
-padding policy (``staging``), executors that run a staged bucket (``executors``), and the
-runner that stages, executes and slices (``runner``)."""
+"""Graph runner for the target's decode and verify forwards and the draft loops: bucketed
+static buffers with a padding policy (``staging``), executors that run a staged bucket
+(``executors``), the whole draft step as one graph (``draft_loop``), and the runner that
+stages, executes and slices (``runner``)."""
 
+from refengine.graph.draft_loop import LOOP_FIELDS, DraftLoopGraph, LoopStaging
 from refengine.graph.executors import CompiledExecutor, Executor, GraphKey, ReplayExecutor
 from refengine.graph.runner import GraphBatch, GraphRunner
 from refengine.graph.staging import (
@@ -20,12 +22,15 @@ from refengine.graph.staging import (
 __all__ = [
     "DUMMY_ROW",
     "DUMMY_SLOT",
+    "LOOP_FIELDS",
     "PAD_POLICY",
     "CompiledExecutor",
+    "DraftLoopGraph",
     "Executor",
     "GraphBatch",
     "GraphKey",
     "GraphRunner",
+    "LoopStaging",
     "ReplayExecutor",
     "StagedViews",
     "Staging",

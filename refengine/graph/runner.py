@@ -1,11 +1,14 @@
-"""GraphRunner: target decode and verify forwards replayed on static, bucket-padded buffers.
+"""GraphRunner: target decode and verify forwards, and whole draft steps, replayed on static,
+bucket-padded buffers.
 
 It wraps a ``ModelRunner`` and offers the same surface: the ``prepare_*`` methods still build
 every batch (through the wrapped runner, which stays the only builder), and additionally tag
 decode/verify batches with what staging needs (request rows, lengths, tree mask);
 ``forward`` stages a batch it has a bucket for, runs the executor, and slices the real rows
-back out; anything else falls back to the wrapped runner's eager forward. Everything else
-(draft forwards, ``kv``, ``target``) is the wrapped runner's.
+back out; anything else falls back to the wrapped runner's eager forward. With a draft model,
+``draft_loop`` (``draft_loop.py``) replays a whole draft step on the same buckets and key
+widths; the workers call it before their eager forwards. Everything else (draft prefill and
+draft-extend forwards, ``kv``, ``target``) is the wrapped runner's.
 
 Key width: every key fixes ``max_kv``, the number of key columns each request's attention
 gathers and masks, so the shapes of a replay never depend on the requests' lengths. A batch
@@ -32,6 +35,7 @@ from typing import Any
 
 import torch
 
+from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.graph.executors import (
     CompiledExecutor,
     Executor,
@@ -48,6 +52,7 @@ from refengine.graph.staging import (
     pad_to_bucket,
     static_attention,
 )
+from refengine.model.eagle import EagleDraftModel
 from refengine.model.llama import ForwardBatch, ForwardOutput
 from refengine.request import Req
 from refengine.runner import ModelRunner
@@ -75,10 +80,13 @@ class GraphRunner:
     verify (``verify_tokens`` per request) batches of up to ``max_bs`` requests; the wrapped
     runner's eager forward otherwise."""
 
+    staging_class: type[Staging] = Staging  # the bug zoo swaps in a broken padding
+    draft_loop_class: type[DraftLoopGraph] = DraftLoopGraph  # ... or a broken draft loop
+
     def __init__(self, runner: ModelRunner, executor: str | Executor = "replay",
                  max_bs: int | None = None, verify_tokens: int | None = None,
-                 sizes: Sequence[int] | None = None, kv_sizes: Sequence[int] | None = None
-                 ) -> None:
+                 sizes: Sequence[int] | None = None, kv_sizes: Sequence[int] | None = None,
+                 draft_steps: tuple[int, int] | None = None) -> None:
         self.runner = runner
         table = runner.kv.rows.table
         self.sizes = check_sizes(list(sizes) if sizes is not None
@@ -94,10 +102,20 @@ class GraphRunner:
         if verify_tokens is not None and verify_tokens > 1:
             self.kinds["verify"] = verify_tokens
         device = table.device
-        self.staging = {kind: Staging(self.sizes[-1], q, device)
+        self.staging = {kind: self.staging_class(self.sizes[-1], q, device)
                         for kind, q in self.kinds.items()}
         self.executor = (self._make_executor(executor) if isinstance(executor, str)
                          else executor)
+        # The whole draft step as one graph, for a runner with a draft model: ``draft_steps``
+        # is (topk, num_steps). Its executor is the target's ("replay" or "compiled").
+        self.draft_loop: DraftLoopGraph | None = None
+        draft = runner.draft
+        if draft_steps is not None and draft is not None:
+            pool = runner.kv.draft_kv if isinstance(draft, EagleDraftModel) else runner.kv.kv
+            assert pool is not None, "an EAGLE head keeps draft KV"
+            self.draft_loop = self.draft_loop_class(
+                draft, pool, table, *draft_steps, self.sizes, self.kv_sizes,
+                "replay" if self.executor.name == "replay" else "compiled")
 
     def _make_executor(self, name: str) -> Executor:
         if name == "replay":

@@ -25,7 +25,7 @@ The worker owns its ``DraftState`` and runs every forward through the ``ModelRun
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -39,15 +39,18 @@ from refengine.model.llama import ForwardBatch
 from refengine.request import Req
 from refengine.runner import ModelRunner
 from refengine.spec.accept import accept
+from refengine.spec.draft_search import (
+    Candidates,
+    DraftForward,
+    LoopOutput,
+    beam_search,
+    chain_search,
+    top_k,
+)
 from refengine.spec.draft_state import DraftState
 from refengine.spec.inputs import DraftExtendInput, DraftInput, VerifyInput
 from refengine.spec.verify import SampledPath, verify_tree_sampling
 from refengine.step import StepResult
-
-# One draft forward of a step: (step i, node tokens [b*w], their input features [b*w, H],
-# ancestor mask [b, w, >= i*w] or None) -> (logits [b*w, V], predicted features [b*w, H]).
-DraftForward = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor | None],
-                        tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -87,12 +90,6 @@ class ChainTree:
         """``tokens [b, n]`` (root first); ``start [b]``: each root's position."""
         return VerifyInput(draft_tokens=tokens, positions=start[:, None] + self.depth,
                            **self._structure(tokens.shape[0]))
-
-
-def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    probs = torch.softmax(logits.float(), dim=-1)
-    top = torch.topk(probs, k, dim=-1)
-    return top.values, top.indices
 
 
 class EagleV1Worker:
@@ -219,30 +216,59 @@ class EagleV1Worker:
     # --- draft ----------------------------------------------------------------------------------
 
     def draft(self, reqs: list[Req], din: DraftInput) -> VerifyInput:
-        return (self.draft_chain(reqs, din) if self.spec.topk == 1
-                else self.draft_tree(reqs, din))
+        """The step's draft loop (the graph runner's when it takes the batch, else eager),
+        then the verify tree from what it found."""
+        found = self.graph_search(reqs, din)
+        if found is None:
+            found = self.eager_search(reqs, din)
+        return self.to_verify_input(reqs, self.root_tokens(din), found)
 
-    def draft_chain(self, reqs: list[Req], din: DraftInput) -> VerifyInput:
+    def root_tokens(self, din: DraftInput) -> torch.Tensor:
+        return din.verified_id
+
+    def graph_search(self, reqs: list[Req], din: DraftInput) -> LoopOutput | None:
+        """The whole draft loop replayed by the graph runner on static buffers (the scratch
+        slots staged with the rest); None when there is no graph runner or it does not take
+        the batch."""
+        loop = self.runner.draft_loop
+        if loop is None:
+            return None
+        k, steps = self.spec.topk, self.spec.num_steps
+        with self.scratch(reqs, k * (steps - 1)) as slots:
+            return loop.run({"topk_p": din.topk_p, "topk_index": din.topk_index,
+                             "hidden": din.hidden_states, "verified_id": din.verified_id,
+                             "rows": torch.tensor([r.row for r in reqs], dtype=torch.int64),
+                             "roots": torch.tensor(self.roots(reqs), dtype=torch.int64),
+                             "scratch": slots})
+
+    def eager_search(self, reqs: list[Req], din: DraftInput) -> LoopOutput:
         """``topk == 1``: the beam is a single path, so the tree is the chain itself
-        (``N = S + 1``, every candidate kept) and each step's node sees the committed prefix and
-        the earlier steps' scratch entries, which is plain causal attention. Same result as
-        ``draft_tree`` with ``topk == 1`` (``tests/test_spec_engine.py`` checks it), without
-        the beam, score and mask bookkeeping, which costs a decode step as much as a head forward.
-        """
-        tokens = [din.verified_id, din.topk_index[:, 0]]
-        features = din.hidden_states
-        with self.draft_forwards(reqs, 1) as forward:
-            for i in range(1, self.spec.num_steps):
-                logits, features = forward(i, tokens[-1], features, None)
-                # argmax of the logits: the top-1 of their softmax without computing it
-                tokens.append(torch.argmax(logits, dim=-1))
-        return self._chain.verify_input(torch.stack(tokens, dim=1),
-                                        torch.tensor(self.roots(reqs)))
+        (``N = S + 1``, every candidate kept) and ``chain_search`` skips the beam, score and
+        mask bookkeeping, which costs a decode step as much as a head forward (same tree as
+        ``beam_search`` with one node: ``tests/test_spec_engine.py`` checks it)."""
+        k, steps = self.spec.topk, self.spec.num_steps
+        with self.draft_forwards(reqs, k) as forward:
+            return (chain_search(din, steps, forward) if k == 1
+                    else beam_search(din, steps, k, forward))
+
+    def to_verify_input(self, reqs: list[Req], root_tokens: torch.Tensor, found: LoopOutput
+                        ) -> VerifyInput:
+        """A chain's tokens are its tree; of a beam's candidates the best ``N - 1`` by path
+        score form the tree (``kernels.tree_reference``)."""
+        seq = torch.tensor(self.roots(reqs))
+        if not isinstance(found, Candidates):
+            return self._chain.verify_input(found, seq)
+        n, b = self.spec.num_draft_tokens, len(reqs)
+        tree = build_tree_reference(root_tokens, found.tokens, found.parents,
+                                    select_candidates(found.scores, n))
+        flat = torch.arange(b)[:, None] * n + torch.arange(n)[None, :]
+        return VerifyInput(tree.tokens, tree.mask, seq[:, None] + tree.depth, tree.parents,
+                           flat, tree.next_token, tree.next_sibling)
 
     @contextmanager
     def draft_forwards(self, reqs: list[Req], width: int) -> Iterator[DraftForward]:
-        """The draft's forwards of one step, ``width`` nodes per request: step-i nodes sit at
-        position ``s + i - 1`` and write scratch KV at row positions ``s + (i-1)w ..
+        """The draft's eager forwards of one step, ``width`` nodes per request: step-i nodes
+        sit at position ``s + i - 1`` and write scratch KV at row positions ``s + (i-1)w ..
         s + iw - 1``, seeing the committed prefix and (``node_mask``, None: causal) the
         scratch entries of their ancestors."""
         steps = self.spec.num_steps
@@ -258,50 +284,6 @@ class EagleV1Worker:
                     width, (seq + i * width).tolist(), masks)
                 return self.runner.forward_draft(fb, features)
             yield forward
-
-    def draft_tree(self, reqs: list[Req], din: DraftInput) -> VerifyInput:
-        """Beam search over ``S - 1`` draft forwards, then the best ``N - 1`` candidates."""
-        k, steps, n = self.spec.topk, self.spec.num_steps, self.spec.num_draft_tokens
-        b = len(reqs)
-        scores = [din.topk_p]                    # candidate path scores, flat per step
-        cand_tokens = [din.topk_index]
-        cand_parents = [torch.full((b, k), -1, dtype=torch.int64)]
-        beam_tokens, beam_scores = din.topk_index, din.topk_p
-        beam_feat = din.hidden_states[:, None, :].expand(b, k, -1)
-        beam_flat = torch.arange(k).expand(b, k)
-        ancestors = torch.zeros((b, k, max(k * (steps - 1), 1)), dtype=torch.bool)
-        offset = k
-        own_entry = torch.eye(k, dtype=torch.bool)   # beam node m sees its own scratch entry
-        with self.draft_forwards(reqs, k) as forward:
-            for i in range(1, steps):
-                node_mask = ancestors.clone()
-                node_mask[:, :, (i - 1) * k:i * k] |= own_entry
-                logits, predicted = forward(i, beam_tokens.reshape(-1),
-                                            beam_feat.reshape(b * k, -1), node_mask)
-                child_p, child_tok = top_k(logits, k)                      # [b*k, k]
-                child_scores = beam_scores[:, :, None] * child_p.view(b, k, k)
-                child_scores = child_scores.reshape(b, k * k)
-                scores.append(child_scores)
-                cand_tokens.append(child_tok.view(b, k * k))
-                cand_parents.append(beam_flat[:, :, None].expand(b, k, k).reshape(b, k * k))
-                pick = torch.sort(-child_scores, dim=-1, stable=True).indices[:, :k]
-                parent_slot = pick // k
-                beam_tokens = torch.gather(child_tok.view(b, k * k), 1, pick)
-                beam_scores = torch.gather(child_scores, 1, pick)
-                beam_feat = torch.gather(predicted.view(b, k, -1), 1, parent_slot[:, :, None]
-                                         .expand(-1, -1, predicted.shape[-1]))
-                beam_flat = offset + pick
-                ancestors = torch.gather(node_mask, 1, parent_slot[:, :, None]
-                                         .expand(-1, -1, node_mask.shape[-1]))
-                offset += k * k
-        seq = torch.tensor(self.roots(reqs))
-        all_scores = torch.cat(scores, dim=1)
-        selected = select_candidates(all_scores, n)
-        tree = build_tree_reference(din.verified_id, torch.cat(cand_tokens, dim=1),
-                                    torch.cat(cand_parents, dim=1), selected)
-        flat = torch.arange(b)[:, None] * n + torch.arange(n)[None, :]
-        return VerifyInput(tree.tokens, tree.mask, seq[:, None] + tree.depth, tree.parents,
-                           flat, tree.next_token, tree.next_sibling)
 
     # --- verify -----------------------------------------------------------------------------
 

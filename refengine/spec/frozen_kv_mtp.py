@@ -31,9 +31,10 @@ import torch
 
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
-from refengine.spec.eagle_v1 import DraftForward, EagleV1Worker, top_k
+from refengine.spec.draft_search import DraftForward, LoopOutput, top_k
+from refengine.spec.eagle_v1 import EagleV1Worker
 from refengine.spec.eagle_v2 import EagleV2Worker
-from refengine.spec.inputs import DraftExtendInput, DraftInput, SeedInput, VerifyInput
+from refengine.spec.inputs import DraftExtendInput, DraftInput, SeedInput
 
 
 class FrozenKVMTPWorker(EagleV1Worker):
@@ -56,7 +57,24 @@ class FrozenKVMTPWorker(EagleV1Worker):
                          features[ends[done]] if done else features[:0])
         self.draft_state.add([reqs[i].rid for i in done], seed)
 
-    def draft(self, reqs: list[Req], din: DraftInput | SeedInput) -> VerifyInput:
+    def root_tokens(self, din: DraftInput | SeedInput) -> torch.Tensor:  # type: ignore[override]
+        assert isinstance(din, SeedInput)
+        return din.bonus_tokens
+
+    def graph_search(self, reqs: list[Req], din: DraftInput | SeedInput  # type: ignore[override]
+                     ) -> LoopOutput | None:
+        """The graph runner's loop folds the seed in as iteration 0: it takes the bonus
+        tokens and target features as they are, and produces the first candidates itself."""
+        loop = self.runner.draft_loop
+        if loop is None:
+            return None
+        assert isinstance(din, SeedInput)
+        return loop.run({"bonus_tokens": din.bonus_tokens, "hidden": din.hidden_states,
+                         "rows": torch.tensor([r.row for r in reqs], dtype=torch.int64),
+                         "seq_lens": torch.tensor(self.roots(reqs), dtype=torch.int64)})
+
+    def eager_search(self, reqs: list[Req], din: DraftInput | SeedInput  # type: ignore[override]
+                     ) -> LoopOutput:
         """The seed iteration turns the state into the first candidates (what EAGLE's
         draft-extend leaves behind), then EAGLE's chain or beam search runs the rest. The
         step's batch (``topk`` rows per request) is built once; the seed runs on every
@@ -68,7 +86,8 @@ class FrozenKVMTPWorker(EagleV1Worker):
             self._step_batch, din.bonus_tokens, din.hidden_states,
             rows=torch.arange(0, len(reqs) * k, k))
         topk_p, topk_index = top_k(logits, k)
-        return super().draft(reqs, DraftInput(topk_p, topk_index, hidden, din.bonus_tokens))
+        return super().eager_search(reqs, DraftInput(topk_p, topk_index, hidden,
+                                                     din.bonus_tokens))
 
     @contextmanager
     def draft_forwards(self, reqs: list[Req], width: int) -> Iterator[DraftForward]:
@@ -76,7 +95,7 @@ class FrozenKVMTPWorker(EagleV1Worker):
         so they share the step's batch; the beam's node masks do not apply (no node sees
         another: there is no draft KV)."""
         batch = self._step_batch
-        assert batch.input_ids.shape[0] == len(reqs) * width, "draft() builds the step batch"
+        assert batch.input_ids.shape[0] == len(reqs) * width, "eager_search builds the step batch"
 
         def forward(i: int, tokens: torch.Tensor, hidden: torch.Tensor,
                     node_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

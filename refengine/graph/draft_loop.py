@@ -1,0 +1,273 @@
+"""The draft loop as one graph: a whole draft step (every forward, the top-k and the beam
+bookkeeping) replayed on static, bucket-padded buffers.
+
+Two loops, one per draft kind:
+
+* ``draft:eagle``: the ``S - 1`` forwards of the EAGLE head from the step's ``DraftInput``;
+  each writes the head's KV into the step's scratch slots (staged, one row per request) and
+  sees the committed prefix and its ancestors' scratch entries.
+* ``draft:mtp``: Frozen-KV MTP with the seed folded in as iteration 0. The graph takes the
+  per-request ``bonus_tokens`` and target features as staged buffers and produces the first
+  candidates (``topk_p``/``topk_index``) itself, then runs the ``S - 1`` later iterations.
+  Every buffer, ``bonus_tokens`` included, is restaged on every replay: a buffer left as it
+  was captured would replay an earlier step's tokens (outputs stay lossless, acceptance
+  silently drops).
+
+Both end with ``chain_search`` or ``beam_search`` (``refengine/spec/draft_search.py``), the
+same search the eager draft runs, so only the forwards differ: here their attention metadata
+is derived inside the graph from the staged rows and lengths (``block_attention``) at a fixed
+key width. Tree assembly stays eager, in the worker.
+
+Padding: every padded row reads and writes only the reserved dummy row/slot and computes
+finite values (``LOOP_FIELDS`` says why for each buffer).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from refengine.graph.executors import _finish_layer, _own_code, _project
+from refengine.graph.staging import DUMMY_ROW, DUMMY_SLOT, block_attention, pad_to_bucket
+from refengine.memory.kv_pool import KVPool
+from refengine.model.attention import AttentionMetadata
+from refengine.model.eagle import EagleDraftModel
+from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
+from refengine.spec.draft_search import (
+    Candidates,
+    LoopOutput,
+    beam_search,
+    chain_search,
+    top_k,
+)
+from refengine.spec.inputs import DraftInput
+
+
+@dataclass(frozen=True)
+class LoopField:
+    """One staged buffer of a draft loop: per-request shape and dtype, and what a padded
+    request's entry holds (and why that is harmless)."""
+
+    tail: tuple[str, ...]      # per-request shape, by name: "k", "H", "scratch"
+    dtype: str                 # "int64", "float32", "hidden" (the model's dtype)
+    fill: float
+    why: str
+
+
+_TOKEN = LoopField((), "int64", 0, "token 0 is in every vocabulary: the embedding gather stays "
+                   "in bounds; the row's outputs are sliced away")
+_HIDDEN = LoopField(("H",), "hidden", 0.0, "finite, so nothing a padded row computes is NaN "
+                    "(a NaN written to the dummy page would be read back by every padded row)")
+_ROWS = LoopField((), "int64", DUMMY_ROW, "the reserved row is never written, so every key "
+                  "slot gathered through it is the dummy slot; a stale real row here would read "
+                  "another request's KV")
+
+LOOP_FIELDS: dict[str, dict[str, LoopField]] = {
+    "draft:eagle": {
+        "topk_p": LoopField(("k",), "float32", 1.0, "finite path scores"),
+        "topk_index": LoopField(("k",), "int64", 0, _TOKEN.why),
+        "hidden": _HIDDEN,
+        "verified_id": _TOKEN,
+        "rows": _ROWS,
+        "roots": LoopField((), "int64", 0, "no prefix: the scratch block starts at column 0 of "
+                           "the dummy row, whose every slot is the dummy slot"),
+        "scratch": LoopField(("scratch",), "int64", DUMMY_SLOT, "the padded rows' draft KV "
+                             "lands in the reserved page, which no request owns"),
+    },
+    "draft:mtp": {
+        "bonus_tokens": _TOKEN,
+        "hidden": _HIDDEN,
+        "rows": _ROWS,
+        "seq_lens": LoopField((), "int64", 1, "a one-position prefix: the query sits at "
+                              "position 0 and sees column 0 of the dummy row only"),
+    },
+}
+
+
+class LoopStaging:
+    """Max-size static buffers for one draft loop, one leading row per request, allocated once;
+    a bucket's view is a contiguous prefix (stable addresses across replays)."""
+
+    def __init__(self, kind: str, max_bs: int, sizes: dict[str, int], hidden_dtype: torch.dtype,
+                 device: str | torch.device = "cpu") -> None:
+        self.kind, self.max_bs = kind, max_bs
+        self.fields = LOOP_FIELDS[kind]
+        dtypes = {"int64": torch.int64, "float32": torch.float32, "hidden": hidden_dtype}
+        self.buffers = {name: torch.full((max_bs, *(sizes[d] for d in f.tail)), f.fill,
+                                         dtype=dtypes[f.dtype], device=device)
+                        for name, f in self.fields.items()}
+
+    def stage(self, inputs: dict[str, torch.Tensor] | None, bucket: int
+              ) -> dict[str, torch.Tensor]:
+        """Copy ``inputs`` (every field, ``raw`` rows) into rows ``[:raw]`` and the fill into
+        ``[raw:bucket]``, every buffer on every replay; ``None`` stages padding only."""
+        raw = 0 if inputs is None else next(iter(inputs.values())).shape[0]
+        if not 0 <= raw <= bucket <= self.max_bs:
+            raise ValueError(f"staging {raw} requests into bucket {bucket} "
+                             f"(buffers hold {self.max_bs})")
+        if inputs is not None and set(inputs) != set(self.fields):
+            raise ValueError(f"{self.kind}: inputs {sorted(inputs)}, expected "
+                             f"{sorted(self.fields)}")
+        for name, buf in self.buffers.items():
+            self.restage(name, buf, None if inputs is None else inputs[name], raw, bucket)
+        return {name: buf[:bucket] for name, buf in self.buffers.items()}
+
+    def restage(self, name: str, buf: torch.Tensor, value: torch.Tensor | None, raw: int,
+                bucket: int) -> None:
+        """One buffer's real rows and padding (an extension point: the bug zoo skips one)."""
+        if value is not None:
+            buf[:raw].copy_(value)
+        buf[raw:bucket] = self.fields[name].fill
+
+
+# --- the loops: the captured callables --------------------------------------------------------
+
+
+def eagle_draft_forward(draft: EagleDraftModel, pool: KVPool, tokens: torch.Tensor,
+                        features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                        meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """``EagleDraftModel.forward`` restated with its KV write through ``refengine::write_kv``
+    (in place, never traced as a pool update; see ``executors``): the graph tier checks it
+    against the model's own forward."""
+    x = draft.fc(torch.cat([draft._embed(tokens), features.to(draft.fc.weight.dtype)], dim=-1))
+    rope = draft._rotary.at(positions, x.dtype)
+    layer = draft.layers[0]
+    q, k, v = _project(layer, x, rope.cos, rope.sin)
+    torch.ops.refengine.write_kv(pool.k, pool.v, 0, slots, k, v)
+    x = _finish_layer(layer, x, q, pool.k[0], pool.v[0], meta.kv_slots, meta.mask)
+    predicted = draft.norm(x)
+    return draft._lm_head(predicted).float(), predicted
+
+
+def eagle_loop(draft: EagleDraftModel, pool: KVPool, table: torch.Tensor, topk: int,
+               steps: int, max_kv: int, topk_p: torch.Tensor, topk_index: torch.Tensor,
+               hidden: torch.Tensor, verified_id: torch.Tensor, rows: torch.Tensor,
+               roots: torch.Tensor, scratch: torch.Tensor) -> LoopOutput:
+    b, k = rows.shape[0], topk
+
+    def forward(i: int, tokens: torch.Tensor, features: torch.Tensor,
+                node_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        block = (torch.ones((b, 1, i), dtype=torch.bool, device=rows.device)
+                 if node_mask is None else node_mask[:, :, :i * k])
+        meta = block_attention(rows, roots, block, table, max_kv)
+        positions = (roots + (i - 1))[:, None].expand(b, k).reshape(-1)
+        return eagle_draft_forward(draft, pool, tokens, features, positions,
+                                   scratch[:, (i - 1) * k:i * k].reshape(-1), meta)
+
+    din = DraftInput(topk_p, topk_index, hidden, verified_id)
+    return (chain_search(din, steps, forward) if k == 1
+            else beam_search(din, steps, k, forward))
+
+
+def mtp_draft_forward(draft: FrozenKVMTPDraftModel, tokens: torch.Tensor, hidden: torch.Tensor,
+                      positions: torch.Tensor, meta: AttentionMetadata, pool: KVPool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The assistant's own forward without its ``inference_mode`` decorator: the executor
+    already runs in inference mode, and inductor cannot compile the decorator's mode switch
+    (it fails on the pool's inference tensors)."""
+    return type(draft).forward.__wrapped__(draft, tokens, hidden, positions, meta, pool)
+
+
+def mtp_loop(draft: FrozenKVMTPDraftModel, pool: KVPool, table: torch.Tensor, topk: int,
+             steps: int, max_kv: int, bonus_tokens: torch.Tensor, hidden: torch.Tensor,
+             rows: torch.Tensor, seq_lens: torch.Tensor) -> LoopOutput:
+    """The seed (iteration 0) over one row per request, then ``steps - 1`` iterations over
+    ``topk`` rows per request; every query sits at ``seq_len - 1`` and sees ``[0, seq_len)``,
+    so one metadata serves them all."""
+    b, k = rows.shape[0], topk
+    one = torch.ones((b * k, 1, 1), dtype=torch.bool, device=rows.device)
+    expanded = block_attention(rows.repeat_interleave(k), (seq_lens - 1).repeat_interleave(k),
+                               one, table, max_kv)
+    positions = (seq_lens - 1).clamp(min=0).repeat_interleave(k)
+    seed = AttentionMetadata(expanded.kv_slots[::k], expanded.mask[::k])
+    logits, seed_hidden = mtp_draft_forward(draft, bonus_tokens, hidden, positions[::k], seed,
+                                            pool)
+    topk_p, topk_index = top_k(logits, k)
+
+    def forward(i: int, tokens: torch.Tensor, features: torch.Tensor,
+                node_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return mtp_draft_forward(draft, tokens, features, positions, expanded, pool)
+
+    din = DraftInput(topk_p, topk_index, seed_hidden, bonus_tokens)
+    return (chain_search(din, steps, forward) if k == 1
+            else beam_search(din, steps, k, forward))
+
+
+def _slice(out: LoopOutput, raw: int) -> LoopOutput:
+    if isinstance(out, Candidates):
+        return Candidates(out.scores[:raw], out.tokens[:raw], out.parents[:raw])
+    return out[:raw]
+
+
+class DraftLoopGraph:
+    """``run(inputs)``: stage -> execute -> slice a whole draft step, for batches of up to the
+    largest bucket whose longest request fits the widest key width; None otherwise (the worker
+    then drafts eagerly).
+
+    Executors: "replay" calls the loop on the static views; "compiled" compiles it per key
+    (``fullgraph``, static shapes; one code copy per key, as ``CompiledExecutor``)."""
+
+    staging_class: type[LoopStaging] = LoopStaging  # the bug zoo swaps in a broken restaging
+
+    def __init__(self, draft: EagleDraftModel | FrozenKVMTPDraftModel, pool: KVPool,
+                 table: torch.Tensor, topk: int, steps: int, sizes: Sequence[int],
+                 kv_sizes: Sequence[int], executor: str) -> None:
+        if executor not in ("replay", "compiled"):
+            raise ValueError(f"draft loop executor: 'replay' or 'compiled', got {executor!r}")
+        self.draft, self.pool, self.table = draft, pool, table
+        self.topk, self.steps = topk, steps
+        self.sizes, self.kv_sizes = list(sizes), list(kv_sizes)
+        self.executor = executor
+        self.kind = "draft:eagle" if isinstance(draft, EagleDraftModel) else "draft:mtp"
+        self._loop = eagle_loop if self.kind == "draft:eagle" else mtp_loop
+        hidden = (draft.config.hidden_size if isinstance(draft, EagleDraftModel)
+                  else draft.config.target_hidden_size)
+        dims = {"k": topk, "H": hidden, "scratch": topk * (steps - 1)}
+        dtype = (draft.fc.weight.dtype if isinstance(draft, EagleDraftModel)
+                 else draft.pre_projection.weight.dtype)
+        self.staging = self.staging_class(self.kind, self.sizes[-1], dims, dtype, table.device)
+        self._compiled: dict[tuple[int, int], Callable[..., Any]] = {}
+
+    def longest(self, inputs: dict[str, torch.Tensor]) -> int:
+        """Key columns the batch's longest request needs."""
+        if self.kind == "draft:eagle":
+            return int(inputs["roots"].max()) + self.topk * (self.steps - 1)
+        return int(inputs["seq_lens"].max())
+
+    def key(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int] | None:
+        """(bucket, key width), or None: no request, too many, or one too long."""
+        raw = int(inputs["rows"].shape[0])
+        if raw == 0 or raw > self.sizes[-1]:
+            return None
+        longest = self.longest(inputs)
+        if longest > self.kv_sizes[-1]:
+            return None
+        return (pad_to_bucket(raw, self.sizes),
+                self.kv_sizes[bisect.bisect_left(self.kv_sizes, longest)])
+
+    def run(self, inputs: dict[str, torch.Tensor]) -> LoopOutput | None:
+        key = self.key(inputs)
+        if key is None:
+            return None
+        bucket, max_kv = key
+        raw = int(inputs["rows"].shape[0])
+        with torch.profiler.record_function(
+                f"graph[{self.kind} raw={raw} bucket={bucket} kv={max_kv} {self.executor}]"):
+            return _slice(self.execute(key, self.staging.stage(inputs, bucket)), raw)
+
+    def execute(self, key: tuple[int, int], views: dict[str, torch.Tensor]) -> LoopOutput:
+        fn = self._loop
+        if self.executor == "compiled":
+            if key not in self._compiled:
+                self._compiled[key] = torch.compile(_own_code(self._loop), fullgraph=True,
+                                                    dynamic=False)
+            fn = self._compiled[key]
+        with torch.inference_mode(), \
+                torch._inductor.config.patch(fx_graph_cache=True), \
+                torch._functorch.config.patch(enable_autograd_cache=True):
+            return fn(self.draft, self.pool, self.table, self.topk, self.steps, key[1],
+                      **views)
