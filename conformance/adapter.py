@@ -11,13 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from conformance.graph_probe import GraphCase, GraphProbe, GraphRun, PaddingPolicy
 from refengine.config import SamplingParams, SpecConfig
 from refengine.events import Event, FinishEvent, RetractEvent, TokenEvent
 from refengine.memory.view import MemoryView, ReqKV
 
 __all__ = [
-    "Backend", "Capabilities", "EngineHandle", "Event", "FinishEvent", "MemoryView", "OpenConfig",
-    "ReqKV", "Request", "RetractEvent", "SamplingParams", "SpecConfig", "TokenEvent",
+    "Backend", "Capabilities", "EngineHandle", "Event", "FinishEvent", "GraphCase", "GraphProbe",
+    "GraphRun", "MemoryView", "OpenConfig", "PaddingPolicy", "ReqKV", "Request", "RetractEvent",
+    "SamplingParams", "SpecConfig", "TokenEvent",
 ]
 
 ALGORITHMS = frozenset({"none", "eagle", "frozen_kv_mtp", "draft_model"})
@@ -96,7 +98,12 @@ class Request:
 
 @runtime_checkable
 class EngineHandle(Protocol):
-    """One running engine instance."""
+    """One running engine instance.
+
+    Capability extras (not part of this protocol, asked only of backends claiming them):
+    ``worker_hooks()`` (``worker_hooks``), ``in_flight()`` (``in_flight``), ``graph_probe()
+    -> GraphProbe`` (``graph_runner``: the graph tier, ``conformance/graph_probe.py``).
+    """
 
     def submit(self, req: Request) -> None: ...
     def step(self) -> list[Event]: ...

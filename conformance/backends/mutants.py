@@ -1,16 +1,17 @@
 """The bug zoo: the reference engine with one real bug class planted, as a backend.
 
 Each mutant is the engine with one component class replaced (scheduler, KV manager, model
-runner, output processor, speculative worker or its draft state) by a subclass overriding a
-single method; nothing here is a flag in the production path, and no mutant overrides a method
-of the engine itself. ``specgate
-mutants`` runs the suite against every mutant, and every one must be killed by some check: a
-suite that cannot kill its mutants has no teeth. Wherever a backend is named, a mutant is
-``mutant:<name>``.
+runner, graph runner, output processor, speculative worker or its draft state) by a subclass
+overriding a single method (or naming a broken part of its own: the graph runner's staging);
+nothing here is a flag in the production path, and no mutant overrides a method of the engine
+itself. ``specgate mutants`` runs the suite against every mutant, and every one must be
+killed by some check: a suite that cannot kill its mutants has no teeth. Wherever a backend is
+named, a mutant is ``mutant:<name>``.
 
 These model bug classes from production engines (``docs/bug-classes.md``): leaked KV, leaked
 request rows, stale state after retraction, off-by-one length checks, dropped stop conditions,
-batch-dependent attention; and one
+batch-dependent attention, stale graph padding (a mutant that opens with the graph runner on,
+``Mutant.graphs``); and one
 speculative-sampling bug (``biased_verify_sampler``), which only shows in the distribution of
 sampled tokens and is the distribution tier's negative control. A mutant with
 ``spec`` other than "none" behaves exactly like the reference engine under plain decoding.
@@ -20,11 +21,15 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 
-from conformance.backends.refengine import RefEngineBackend
+from conformance.adapter import OpenConfig
+from conformance.backends.refengine import RefEngineBackend, RefEngineHandle
 from refengine import Engine
+from refengine.graph.runner import GraphRunner
+from refengine.graph.staging import StagedViews, Staging, StepInputs
 from refengine.memory.kv_pool import KVPool
 from refengine.memory.manager import KVManager
 from refengine.memory.view import ceil_page
@@ -420,11 +425,40 @@ class LateCommit(Engine):
     output_class = _CommitsWholeRunLate
 
 
+# --- graph runner -------------------------------------------------------------------------------
+
+class _StalePaddedRowsStaging(Staging):
+    def stage(self, step: StepInputs | None, bucket: int) -> StagedViews:
+        raw = 0 if step is None else step.batch_size
+        rows = self.buffers["rows"]
+        left = rows[raw:bucket].clone()
+        views = super().stage(step, bucket)
+        rows[raw:bucket] = left  # BUG: the padded rows keep whatever an earlier batch left
+        return views
+
+
+class _StalePaddedRowsGraphRunner(GraphRunner):
+    staging_class = _StalePaddedRowsStaging
+
+
+class StalePaddedRows(Engine):
+    """Stale padded rows: graph staging rewrites every field of the padded rows but their
+    request rows (req_pool_indices), so after a bigger batch a padded row keeps a real
+    request's row and its attention gathers that request's KV. The outputs are sliced to the
+    real rows and the padded rows still write the dummy slot: only the padding itself shows.
+    """
+
+    graph_runner_class = _StalePaddedRowsGraphRunner
+
+
 @dataclass(frozen=True)
 class Mutant:
     name: str
     engine_class: type[Engine]
     spec: str = "none"  # the --spec under which the bug is visible (and which runs it)
+    # The graph executor the mutant's engine always opens with (its bug lives in the graph
+    # runner, which a run without --graphs would never reach); None: as the suite asks.
+    graphs: Literal["replay", "compiled"] | None = None
 
     @property
     def bug_class(self) -> str:
@@ -451,6 +485,7 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("late_commit", LateCommit, spec="eagle-v2"),
     Mutant("mtp_all_finish_leaves_verify_input", MTPAllFinishLeavesVerifyInput, spec="mtp"),
     Mutant("frozen_draft_writes_kv", FrozenDraftWritesKV, spec="mtp"),
+    Mutant("stale_padded_rows", StalePaddedRows, graphs="replay"),
 ]}
 
 
@@ -459,6 +494,11 @@ class MutantBackend(RefEngineBackend):
         self.mutant = mutant
         self.name = f"mutant:{mutant.name}"
         self.engine_class = mutant.engine_class
+
+    def open(self, cfg: OpenConfig) -> RefEngineHandle:
+        if self.mutant.graphs is not None and cfg.graph_executor is None:
+            cfg = replace(cfg, graph_executor=self.mutant.graphs)
+        return super().open(cfg)
 
 
 def mutant_backend(name: str) -> MutantBackend:

@@ -7,18 +7,28 @@ from conformance.adapter import Capabilities, Event, MemoryView, OpenConfig, Req
 from conformance.kernels import KernelImpls, default_kernels_for_refengine
 from conformance.worker_hooks import RefEngineWorkerHooks
 from refengine import Engine, EngineConfig
+from refengine.graph.probe import RefGraphProbe
 
 
 class RefEngineHandle:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._hooks: RefEngineWorkerHooks | None = None
+        self._probe: RefGraphProbe | None = None
 
     def worker_hooks(self) -> RefEngineWorkerHooks:
         """Phase traces and forced verify outcomes (capability ``worker_hooks``)."""
         if self._hooks is None:
             self._hooks = RefEngineWorkerHooks(self.engine)
         return self._hooks
+
+    def graph_probe(self) -> RefGraphProbe:
+        """Synthetic decode and verify cases, eager and through the engine's graph runner
+        (capability ``graph_runner``; the graph tier). Asked of a fresh, idle handle: the
+        probe prefills requests of its own on the engine's KV manager."""
+        if self._probe is None:
+            self._probe = RefGraphProbe.for_engine(self.engine)
+        return self._probe
 
     def submit(self, req: Request) -> None:
         self.engine.add_request(req.rid, list(req.prompt_ids), req.params, req.session_id)
@@ -44,6 +54,7 @@ class RefEngineHandle:
 
     def close(self) -> None:
         self.engine = None  # type: ignore[assignment]  # drop the model and KV pool
+        self._probe = None
 
 
 class RefEngineBackend:
