@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 from engine_helpers import SPEC_PROMPTS, mtp_engine, spec_engine
 
+from conformance import graph_checks as checks
 from refengine import Engine, SamplingParams
 from refengine.graph import GraphRunner
 from refengine.graph.executors import GraphKey, ReplayExecutor
+from refengine.graph.probe import RefGraphProbe
 
 # Staggered lengths: the batch shrinks as requests finish, so several buckets replay.
 STAGGERED = [SamplingParams(max_new_tokens=6 + 4 * i, ignore_eos=True)
@@ -112,3 +114,30 @@ def test_graph_executor_is_validated() -> None:
 
     with pytest.raises(ValueError, match=r"^graph_executor: "):
         EngineConfig(cuda_graph=True, graph_executor="cuda")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("algorithm", "config", "kind"), [
+    ("eagle", "chain-s3-n4", "draft:eagle"),
+    ("eagle", "tree-s3-k4-n8", "draft:eagle"),
+    ("frozen_kv_mtp", "chain-s3-n4", "draft:mtp"),
+    ("frozen_kv_mtp", "tree-s3-k4-n8", "draft:mtp"),
+])
+def test_draft_loop_kinds_pass_the_graph_properties(spec_pair: tuple[Path, Path],
+                                                    mtp_dir: Path, algorithm: str, config: str,
+                                                    kind: str) -> None:
+    """The graph tier's properties for the whole draft step, on every raw size 1..8: graph
+    == the worker's eager search (MTP: its seed step, then the loop), the padding policy,
+    poisoned tails, no history dependence, static buffers; MTP's leaves the pool
+    byte-identical."""
+    engine = (spec_engine(spec_pair, config, cuda_graph=True, graph_executor="replay",
+                          max_running_requests=8, page_size=4)
+              if algorithm == "eagle" else
+              mtp_engine(spec_pair, mtp_dir, config, cuda_graph=True, graph_executor="replay",
+                         max_running_requests=8, page_size=4))
+    probe = RefGraphProbe.for_engine(engine)
+    assert kind in probe.kinds() and probe.writes_kv(kind) == (kind == "draft:eagle")
+    checks.check_graph_matches_eager(probe, kind, 0)
+    checks.check_padding_policy(probe, kind)
+    checks.check_poisoned_padding(probe, kind)
+    checks.check_no_history_dependence(probe, kind)  # graph == eager above also checks state
+    probe.release()

@@ -36,6 +36,7 @@ from refengine.graph import (
 from refengine.graph.probe import (
     KINDS,
     POISON_STYLES,
+    ForwardKind,
     GraphCase,
     RefGraphProbe,
     decode_batch,
@@ -46,6 +47,9 @@ from refengine.memory.manager import KVManager
 from refengine.model.llama import LlamaForCausalLM
 from refengine.runner import ModelRunner
 
+# The kinds that are one target forward (the draft loops need a draft model:
+# tests/test_graph_engine.py runs them)
+FORWARD_KINDS = [name for name, kind in KINDS.items() if isinstance(kind, ForwardKind)]
 MAX_BS = 10          # buckets 1, 2, 4, 8, 10: sizes 3, 5-7 and 9 are padded
 N = 4                # verify tokens per request
 PAGE = 4             # the dummy page is slots 0..3
@@ -96,22 +100,22 @@ def test_buckets() -> None:
 # --- the graph tier's properties, on the reference engine -------------------------------------
 
 @pytest.mark.parametrize("seed", [0, 1])  # other prompt lengths, so other rows and widths
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", FORWARD_KINDS)
 def test_replay_matches_eager_every_size(probe: RefGraphProbe, kind: str, seed: int) -> None:
     checks.check_graph_matches_eager(probe, kind, seed)
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", FORWARD_KINDS)
 def test_padded_rows_follow_the_policy(probe: RefGraphProbe, kind: str) -> None:
     checks.check_padding_policy(probe, kind)
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", FORWARD_KINDS)
 def test_poisoned_padding_changes_nothing(probe: RefGraphProbe, kind: str) -> None:
     checks.check_poisoned_padding(probe, kind)
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", FORWARD_KINDS)
 def test_every_poison_style_changes_nothing(probe: RefGraphProbe, kind: str) -> None:
     """Each poison on its own over the whole tail: out-of-range up, out-of-range down, and
     what an earlier, bigger batch would leave (a live request's row, slots and length, an
@@ -125,7 +129,7 @@ def test_every_poison_style_changes_nothing(probe: RefGraphProbe, kind: str) -> 
             compare_state(poisoned, clean.state, "the clean run's", f"poison {style}")
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", FORWARD_KINDS)
 def test_no_history_dependence(probe: RefGraphProbe, kind: str) -> None:
     checks.check_no_history_dependence(probe, kind)
 
@@ -136,7 +140,7 @@ def test_static_buffers_stay_put_and_outputs_are_fresh(probe: RefGraphProbe) -> 
 
 # --- white-box: what only the engine can see ---------------------------------------------------
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", FORWARD_KINDS)
 def test_graph_key_and_dummy_page(probe: RefGraphProbe, kind: str) -> None:
     """Every raw size replays on its bucket and the kind's staging; what padded rows write to
     the dummy page is finite (real rows' masked key columns read it)."""
@@ -151,7 +155,7 @@ def test_graph_key_and_dummy_page(probe: RefGraphProbe, kind: str) -> None:
             assert torch.isfinite(probe.kv.kv.v[:, :PAGE]).all(), (kind, raw)
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", FORWARD_KINDS)
 def test_staged_attention(probe: RefGraphProbe, kind: str) -> None:
     """The attention a replay derives from its staged views: real rows see exactly what eager
     shows them (nothing past their width), every padded query sees at least one key and only
@@ -227,7 +231,7 @@ def test_fallbacks(probe: RefGraphProbe) -> None:
 def test_narrow_key_width_matches_eager(make_probe: MakeProbe) -> None:
     probe = make_probe(kv_sizes=[64, 128])
     rec = Recorder(probe)
-    for kind in KINDS:
+    for kind in FORWARD_KINDS:
         for raw in (1, 5):
             with probe.prepared(GraphCase(kind, raw), "graph") as prep:
                 assert prep.batch is not None

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from conformance.adapter import OpenConfig
 from conformance.backends.refengine import RefEngineBackend, RefEngineHandle
 from refengine import Engine
+from refengine.graph.draft_loop import DraftLoopGraph, LoopStaging
 from refengine.graph.runner import GraphRunner
 from refengine.graph.staging import StagedViews, Staging, StepInputs
 from refengine.memory.kv_pool import KVPool
@@ -451,6 +452,45 @@ class StalePaddedRows(Engine):
     graph_runner_class = _StalePaddedRowsGraphRunner
 
 
+class _CaptureTimeBonusTokens(LoopStaging):
+    """Restages every buffer but ``bonus_tokens``, which only the first staging of a bucket
+    (its capture) writes."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._captured: set[int] = set()
+        self._replaying = False
+
+    def stage(self, inputs: dict[str, torch.Tensor] | None, bucket: int
+              ) -> dict[str, torch.Tensor]:
+        self._replaying = bucket in self._captured
+        self._captured.add(bucket)
+        return super().stage(inputs, bucket)
+
+    def restage(self, name: str, buf: torch.Tensor, value: torch.Tensor | None, raw: int,
+                bucket: int) -> None:
+        if name == "bonus_tokens" and self._replaying:
+            return  # BUG: the seed iteration replays the capture-time step's bonus tokens
+        super().restage(name, buf, value, raw, bucket)
+
+
+class _CaptureTimeBonusLoop(DraftLoopGraph):
+    staging_class = _CaptureTimeBonusTokens
+
+
+class _CaptureTimeBonusGraphRunner(GraphRunner):
+    draft_loop_class = _CaptureTimeBonusLoop
+
+
+class BonusTokensNotRestaged(Engine):
+    """Bonus tokens not restaged: the graph-captured Frozen-KV MTP draft loop folds the seed
+    iteration in, but its ``bonus_tokens`` buffer is written only when a bucket is captured,
+    so every later replay seeds the draft with an earlier step's tokens. Verify still decides
+    every token (output stays lossless); only acceptance drops."""
+
+    graph_runner_class = _CaptureTimeBonusGraphRunner
+
+
 @dataclass(frozen=True)
 class Mutant:
     name: str
@@ -486,6 +526,7 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("mtp_all_finish_leaves_verify_input", MTPAllFinishLeavesVerifyInput, spec="mtp"),
     Mutant("frozen_draft_writes_kv", FrozenDraftWritesKV, spec="mtp"),
     Mutant("stale_padded_rows", StalePaddedRows, graphs="replay"),
+    Mutant("bonus_tokens_not_restaged", BonusTokensNotRestaged, spec="mtp", graphs="replay"),
 ]}
 
 

@@ -34,13 +34,16 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import torch
 
 from refengine.config import SamplingParams
+from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.graph.runner import GraphBatch, GraphRunner
-from refengine.graph.staging import DUMMY_ROW, DUMMY_SLOT, PAD_POLICY
+from refengine.graph.staging import DUMMY_ROW, DUMMY_SLOT, PAD_POLICY, pad_to_bucket
 from refengine.memory.allocator import AllocatorState
 from refengine.model.llama import ForwardBatch, ForwardOutput
 from refengine.request import Req
 from refengine.runner import ModelRunner
-from refengine.spec.inputs import VerifyInput
+from refengine.spec.draft_search import Candidates, LoopOutput
+from refengine.spec.eagle_v1 import EagleV1Worker
+from refengine.spec.inputs import DraftInput, SeedInput, VerifyInput
 
 if TYPE_CHECKING:
     from refengine.engine import Engine
@@ -138,6 +141,9 @@ class ProbeKind(Protocol):
         """Whether the kind's real rows write KV (their target slots are then left out of
         the "kv" digest)."""
 
+    def available(self, probe: RefGraphProbe) -> bool:
+        """Whether the probe's engine has what the kind runs (a draft loop of its kind)."""
+
     def length_fill(self, probe: RefGraphProbe) -> int:
         """The length a padded row's length field must hold."""
 
@@ -200,6 +206,9 @@ class ForwardKind:
     build: BatchBuilder
     writes_kv: bool = True
 
+    def available(self, probe: RefGraphProbe) -> bool:
+        return True
+
     def length_fill(self, probe: RefGraphProbe) -> int:
         q = probe.graph(self.staging).kinds[self.staging]
         fill = PAD_POLICY["seq_lens"].fill(q)
@@ -224,12 +233,89 @@ class ForwardKind:
                         key.bucket, graph.staging[key.kind].buffers, PADDED_FIELDS, batch)
 
 
+@dataclass(frozen=True)
+class DraftLoopKind:
+    """A whole draft step of the engine's worker: eager = the worker's own forward-by-forward
+    search (Frozen-KV MTP: the seed step, then the loop); graph = the ``DraftLoopGraph``
+    (MTP's seed folded in). Inputs are seeded: the step's candidates and features for EAGLE,
+    the bonus tokens and target features for MTP. EAGLE writes its head's KV into scratch
+    slots (the targets); MTP writes none, anywhere."""
+
+    loop_kind: str                      # "draft:eagle" or "draft:mtp"
+    writes_kv: bool
+    length_fill_value: int
+    padded_names: Mapping[str, str]     # staged buffer -> protocol name
+
+    def available(self, probe: RefGraphProbe) -> bool:
+        loop = probe.draft_loop()
+        return loop is not None and loop.kind == self.loop_kind
+
+    def length_fill(self, probe: RefGraphProbe) -> int:
+        return self.length_fill_value
+
+    def inputs(self, probe: RefGraphProbe, reqs: list[Req], seed: int
+               ) -> DraftInput | SeedInput:
+        loop = probe.draft_loop()
+        assert loop is not None and probe.worker is not None
+        b, k, vocab = len(reqs), loop.topk, probe.vocab_size
+        gen = torch.Generator().manual_seed(10_007 * seed + 17)
+        hidden = torch.randn((b, loop.staging.buffers["hidden"].shape[1]), generator=gen)
+        hidden = hidden.to(loop.staging.buffers["hidden"].dtype)
+        tokens = torch.randint(1, vocab, (b,), generator=gen)
+        if self.loop_kind == "draft:mtp":
+            return SeedInput(tokens, hidden)
+        scores = torch.rand((b, k), generator=gen).sort(dim=1, descending=True).values
+        return DraftInput(scores, torch.randint(1, vocab, (b, k), generator=gen), hidden,
+                          tokens)
+
+    def prepare(self, probe: RefGraphProbe, reqs: list[Req], seed: int, mode: Mode
+                ) -> Prepared:
+        worker, loop = probe.worker, probe.draft_loop()
+        assert worker is not None and loop is not None
+        din = self.inputs(probe, reqs, seed)
+        targets = torch.empty((0,), dtype=torch.int64)
+        if self.writes_kv:  # the scratch slots drafting will take (handed back right away)
+            with worker.scratch(reqs, loop.topk * (loop.steps - 1)) as slots:
+                targets = slots.reshape(-1).clone()
+        if mode == "eager":
+            return Prepared(lambda: loop_outputs(worker.eager_search(reqs, din)), targets,
+                            len(reqs))
+        staged = {"rows": torch.tensor([r.row for r in reqs]),
+                  "roots": torch.tensor([r.kv_committed_len for r in reqs]),
+                  "seq_lens": torch.tensor([r.kv_committed_len for r in reqs])}
+        longest = loop.longest({k: v for k, v in staged.items() if k in loop.staging.fields})
+        if len(reqs) > loop.sizes[-1] or longest > loop.kv_sizes[-1]:
+            raise RuntimeError(f"graph probe: {len(reqs)} requests do not replay on the "
+                               f"{self.loop_kind!r} loop; a graph run that fell back to "
+                               "eager would prove nothing")
+
+        def execute() -> dict[str, torch.Tensor]:
+            found = worker.graph_search(reqs, din, loop)  # type: ignore[arg-type]
+            assert found is not None
+            return loop_outputs(found)
+
+        return Prepared(execute, targets, pad_to_bucket(len(reqs), loop.sizes),
+                        loop.staging.buffers, self.padded_names)
+
+
+def loop_outputs(found: LoopOutput) -> dict[str, torch.Tensor]:
+    """A draft step's result: a chain's tokens, or a beam's candidates."""
+    if isinstance(found, Candidates):
+        return {"scores": found.scores, "tokens": found.tokens, "parents": found.parents}
+    return {"draft_tokens": found}
+
+
 KINDS: dict[str, ProbeKind] = {
     "decode": ForwardKind("decode", decode_batch),
     "verify-chain": ForwardKind(
         "verify", lambda p, r, reqs, s: verify_batch(p, r, reqs, s, causal=True)),
     "verify-tree": ForwardKind(
         "verify", lambda p, r, reqs, s: verify_batch(p, r, reqs, s, causal=False)),
+    "draft:eagle": DraftLoopKind("draft:eagle", True, 0, {
+        "rows": "request_rows", "scratch": "out_slots", "verified_id": "token_ids",
+        "roots": "lengths"}),
+    "draft:mtp": DraftLoopKind("draft:mtp", False, 1, {
+        "rows": "request_rows", "bonus_tokens": "token_ids", "seq_lens": "lengths"}),
 }
 
 
@@ -273,8 +359,10 @@ class RefGraphProbe:
 
     def __init__(self, runner: ModelRunner, graphs: Mapping[str, GraphRunner] | None = None,
                  make_graph: Callable[[], GraphRunner] | None = None,
-                 tolerance: float = REPLAY_TOLERANCE) -> None:
+                 tolerance: float = REPLAY_TOLERANCE, worker: EagleV1Worker | None = None
+                 ) -> None:
         self.runner = runner
+        self.worker = worker  # a speculative engine's worker: its draft loop is a kind too
         self.kv = runner.kv
         self.graphs = dict(graphs or {})
         self._make_graph = make_graph
@@ -308,17 +396,23 @@ class RefGraphProbe:
                   else DEFAULT_VERIFY_TOKENS if spec is None else spec.num_draft_tokens)
 
         def make() -> GraphRunner:
-            return engine.graph_runner_class(runner, executor,
-                                             max_bs=config.max_running_requests,
-                                             verify_tokens=verify)
+            return engine.graph_runner_class(
+                runner, executor, max_bs=config.max_running_requests, verify_tokens=verify,
+                draft_steps=None if spec is None else (spec.topk, spec.num_steps))
 
+        # The draft kinds run a V1 worker's search on the probe's requests. Under overlap the
+        # loop is the same graph, but the worker drafts into a reservation the probe's
+        # requests do not hold, so those kinds are left out there.
+        worker = engine.worker
+        v1 = isinstance(worker, EagleV1Worker) and not (spec is not None and spec.overlap)
         return cls(runner, graphs, make,
-                   REPLAY_TOLERANCE if executor == "replay" else COMPILED_TOLERANCE)
+                   REPLAY_TOLERANCE if executor == "replay" else COMPILED_TOLERANCE,
+                   worker if v1 else None)
 
     # --- the protocol -------------------------------------------------------------------------
 
     def kinds(self) -> tuple[str, ...]:
-        return tuple(KINDS)
+        return tuple(name for name, kind in KINDS.items() if kind.available(self))
 
     def max_batch(self) -> int:
         return self.buckets()[-1]
@@ -370,9 +464,13 @@ class RefGraphProbe:
         return self._own
 
     def _kind(self, kind: str) -> ProbeKind:
-        if kind not in KINDS:
-            raise ValueError(f"unknown graph kind {kind!r} (known: {', '.join(KINDS)})")
+        if kind not in self.kinds():
+            raise ValueError(f"unknown graph kind {kind!r} (known: {', '.join(self.kinds())})")
         return KINDS[kind]
+
+    def draft_loop(self) -> DraftLoopGraph | None:
+        """The draft loop of the graph runner that replays decode (None without a draft)."""
+        return self.graph("decode").draft_loop if self.worker is not None else None
 
     @property
     def verify_tokens(self) -> int:

@@ -41,14 +41,15 @@ class Candidates:
     parents: torch.Tensor   # [b, M] int64
 
 
-LoopOutput = torch.Tensor | Candidates  # a chain's tokens [b, S + 1], or a beam's candidates
+LoopOutput = torch.Tensor | Candidates  # a chain's draft tokens [b, S], or a beam's candidates
 
 
 def chain_search(din: DraftInput, steps: int, forward: DraftForward) -> torch.Tensor:
-    """``topk == 1``: ``steps - 1`` forwards along the single path -> tokens ``[b, steps + 1]``
-    (the root, then one draft token per step). Each step's token is the argmax of its logits:
-    the top-1 of their softmax without computing it."""
-    tokens = [din.verified_id, din.topk_index[:, 0]]
+    """``topk == 1``: ``steps - 1`` forwards along the single path -> the draft tokens
+    ``[b, steps]``, one per step, without the root (the caller has it; a graph's copy of it is
+    only an input). Each step's token is the argmax of its logits: the top-1 of their softmax
+    without computing it."""
+    tokens = [din.topk_index[:, 0]]
     features = din.hidden_states
     for i in range(1, steps):
         logits, features = forward(i, tokens[-1], features, None)

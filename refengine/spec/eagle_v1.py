@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,6 +49,9 @@ from refengine.spec.draft_search import (
     top_k,
 )
 from refengine.spec.draft_state import DraftState
+
+if TYPE_CHECKING:
+    from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.spec.inputs import DraftExtendInput, DraftInput, VerifyInput
 from refengine.spec.verify import SampledPath, verify_tree_sampling
 from refengine.step import StepResult
@@ -226,11 +230,12 @@ class EagleV1Worker:
     def root_tokens(self, din: DraftInput) -> torch.Tensor:
         return din.verified_id
 
-    def graph_search(self, reqs: list[Req], din: DraftInput) -> LoopOutput | None:
-        """The whole draft loop replayed by the graph runner on static buffers (the scratch
-        slots staged with the rest); None when there is no graph runner or it does not take
-        the batch."""
-        loop = self.runner.draft_loop
+    def graph_search(self, reqs: list[Req], din: DraftInput,
+                     loop: DraftLoopGraph | None = None) -> LoopOutput | None:
+        """The whole draft loop replayed on static buffers by ``loop`` (default: the graph
+        runner's), the scratch slots staged with the rest; None when there is no loop or it
+        does not take the batch."""
+        loop = loop or self.runner.draft_loop
         if loop is None:
             return None
         k, steps = self.spec.topk, self.spec.num_steps
@@ -253,11 +258,12 @@ class EagleV1Worker:
 
     def to_verify_input(self, reqs: list[Req], root_tokens: torch.Tensor, found: LoopOutput
                         ) -> VerifyInput:
-        """A chain's tokens are its tree; of a beam's candidates the best ``N - 1`` by path
-        score form the tree (``kernels.tree_reference``)."""
+        """A chain (the root, then its draft tokens) is its tree; of a beam's candidates the
+        best ``N - 1`` by path score form the tree (``kernels.tree_reference``). The root
+        always comes from the step's state (``root_tokens``), never from a graph's output."""
         seq = torch.tensor(self.roots(reqs))
         if not isinstance(found, Candidates):
-            return self._chain.verify_input(found, seq)
+            return self._chain.verify_input(torch.cat([root_tokens[:, None], found], dim=1), seq)
         n, b = self.spec.num_draft_tokens, len(reqs)
         tree = build_tree_reference(root_tokens, found.tokens, found.parents,
                                     select_candidates(found.scores, n))

@@ -26,10 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
 from refengine.model.llama import ForwardBatch
+
+if TYPE_CHECKING:
+    from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.request import Req
 from refengine.spec.draft_search import DraftForward, LoopOutput, top_k
 from refengine.spec.eagle_v1 import EagleV1Worker
@@ -61,11 +65,11 @@ class FrozenKVMTPWorker(EagleV1Worker):
         assert isinstance(din, SeedInput)
         return din.bonus_tokens
 
-    def graph_search(self, reqs: list[Req], din: DraftInput | SeedInput  # type: ignore[override]
-                     ) -> LoopOutput | None:
+    def graph_search(self, reqs: list[Req], din: DraftInput | SeedInput,  # type: ignore[override]
+                     loop: DraftLoopGraph | None = None) -> LoopOutput | None:
         """The graph runner's loop folds the seed in as iteration 0: it takes the bonus
         tokens and target features as they are, and produces the first candidates itself."""
-        loop = self.runner.draft_loop
+        loop = loop or self.runner.draft_loop
         if loop is None:
             return None
         assert isinstance(din, SeedInput)
