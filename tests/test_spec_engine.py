@@ -55,9 +55,11 @@ def test_chain_draft_equals_tree_draft_with_topk_1(spec_pair: tuple[Path, Path],
     def both(reqs: list[Req], din: DraftInput) -> torch.Tensor:
         free = e.kv.allocator.free_slots
         with worker.draft_forwards(reqs, 1) as forward:
-            chain = chain_search(din, worker.spec.num_steps, forward)
+            chain = chain_search(din.topk_index, din.hidden_states, worker.spec.num_steps,
+                                 forward)
         with worker.draft_forwards(reqs, 1) as forward:
-            beam = beam_search(din, worker.spec.num_steps, 1, forward)
+            beam = beam_search(din.topk_p, din.topk_index, din.hidden_states,
+                               worker.spec.num_steps, forward)
         assert e.kv.allocator.free_slots == free
         roots = worker.root_tokens(din)
         chain_input = worker.to_verify_input(reqs, roots, chain)

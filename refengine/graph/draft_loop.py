@@ -13,7 +13,7 @@ Two loops, one per draft kind:
   was captured would replay an earlier step's tokens (outputs stay lossless, acceptance
   silently drops).
 
-Both end with ``chain_search`` or ``beam_search`` (``refengine/spec/draft_search.py``), the
+Both end with ``search`` (``refengine/spec/draft_search.py``: the chain or the beam), the
 same search the eager draft runs, so only the forwards differ: here their attention metadata
 is derived inside the graph from the staged rows and lengths (``block_attention``) at a fixed
 key width. Tree assembly stays eager, in the worker.
@@ -37,14 +37,7 @@ from refengine.memory.kv_pool import KVPool
 from refengine.model.attention import AttentionMetadata
 from refengine.model.eagle import EagleDraftModel
 from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
-from refengine.spec.draft_search import (
-    Candidates,
-    LoopOutput,
-    beam_search,
-    chain_search,
-    top_k,
-)
-from refengine.spec.inputs import DraftInput
+from refengine.spec.draft_search import Candidates, LoopOutput, search, top_k
 
 
 @dataclass(frozen=True)
@@ -71,7 +64,6 @@ LOOP_FIELDS: dict[str, dict[str, LoopField]] = {
         "topk_p": LoopField(("k",), "float32", 1.0, "finite path scores"),
         "topk_index": LoopField(("k",), "int64", 0, _TOKEN.why),
         "hidden": _HIDDEN,
-        "verified_id": _TOKEN,
         "rows": _ROWS,
         "roots": LoopField((), "int64", 0, "no prefix: the scratch block starts at column 0 of "
                            "the dummy row, whose every slot is the dummy slot"),
@@ -145,8 +137,8 @@ def eagle_draft_forward(draft: EagleDraftModel, pool: KVPool, tokens: torch.Tens
 
 def eagle_loop(draft: EagleDraftModel, pool: KVPool, table: torch.Tensor, topk: int,
                steps: int, max_kv: int, topk_p: torch.Tensor, topk_index: torch.Tensor,
-               hidden: torch.Tensor, verified_id: torch.Tensor, rows: torch.Tensor,
-               roots: torch.Tensor, scratch: torch.Tensor) -> LoopOutput:
+               hidden: torch.Tensor, rows: torch.Tensor, roots: torch.Tensor,
+               scratch: torch.Tensor) -> LoopOutput:
     b, k = rows.shape[0], topk
 
     def forward(i: int, tokens: torch.Tensor, features: torch.Tensor,
@@ -158,9 +150,7 @@ def eagle_loop(draft: EagleDraftModel, pool: KVPool, table: torch.Tensor, topk: 
         return eagle_draft_forward(draft, pool, tokens, features, positions,
                                    scratch[:, (i - 1) * k:i * k].reshape(-1), meta)
 
-    din = DraftInput(topk_p, topk_index, hidden, verified_id)
-    return (chain_search(din, steps, forward) if k == 1
-            else beam_search(din, steps, k, forward))
+    return search(topk_p, topk_index, hidden, steps, forward)
 
 
 def mtp_draft_forward(draft: FrozenKVMTPDraftModel, tokens: torch.Tensor, hidden: torch.Tensor,
@@ -192,9 +182,7 @@ def mtp_loop(draft: FrozenKVMTPDraftModel, pool: KVPool, table: torch.Tensor, to
                 node_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return mtp_draft_forward(draft, tokens, features, positions, expanded, pool)
 
-    din = DraftInput(topk_p, topk_index, seed_hidden, bonus_tokens)
-    return (chain_search(din, steps, forward) if k == 1
-            else beam_search(din, steps, k, forward))
+    return search(topk_p, topk_index, seed_hidden, steps, forward)
 
 
 def _slice(out: LoopOutput, raw: int) -> LoopOutput:
@@ -232,42 +220,39 @@ class DraftLoopGraph:
         self.staging = self.staging_class(self.kind, self.sizes[-1], dims, dtype, table.device)
         self._compiled: dict[tuple[int, int], Callable[..., Any]] = {}
 
-    def longest(self, inputs: dict[str, torch.Tensor]) -> int:
-        """Key columns the batch's longest request needs."""
-        if self.kind == "draft:eagle":
-            return int(inputs["roots"].max()) + self.topk * (self.steps - 1)
-        return int(inputs["seq_lens"].max())
-
-    def key(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int] | None:
-        """(bucket, key width), or None: no request, too many, or one too long."""
-        raw = int(inputs["rows"].shape[0])
+    def key(self, raw: int, lengths: torch.Tensor) -> tuple[int, int] | None:
+        """(bucket, key width) for ``raw`` requests whose committed lengths are ``lengths``
+        (EAGLE's roots, MTP's sequence lengths), or None: no request, too many, or one too
+        long for the widest key (EAGLE's scratch lies past its root)."""
         if raw == 0 or raw > self.sizes[-1]:
             return None
-        longest = self.longest(inputs)
+        longest = int(lengths.max()) + (self.topk * (self.steps - 1)
+                                        if self.kind == "draft:eagle" else 0)
         if longest > self.kv_sizes[-1]:
             return None
         return (pad_to_bucket(raw, self.sizes),
                 self.kv_sizes[bisect.bisect_left(self.kv_sizes, longest)])
 
     def run(self, inputs: dict[str, torch.Tensor]) -> LoopOutput | None:
-        key = self.key(inputs)
+        raw = int(inputs["rows"].shape[0])
+        key = self.key(raw, inputs["roots" if self.kind == "draft:eagle" else "seq_lens"])
         if key is None:
             return None
         bucket, max_kv = key
-        raw = int(inputs["rows"].shape[0])
         with torch.profiler.record_function(
                 f"graph[{self.kind} raw={raw} bucket={bucket} kv={max_kv} {self.executor}]"):
             return _slice(self.execute(key, self.staging.stage(inputs, bucket)), raw)
 
     def execute(self, key: tuple[int, int], views: dict[str, torch.Tensor]) -> LoopOutput:
-        fn = self._loop
-        if self.executor == "compiled":
-            if key not in self._compiled:
-                self._compiled[key] = torch.compile(_own_code(self._loop), fullgraph=True,
-                                                    dynamic=False)
-            fn = self._compiled[key]
-        with torch.inference_mode(), \
-                torch._inductor.config.patch(fx_graph_cache=True), \
-                torch._functorch.config.patch(enable_autograd_cache=True):
-            return fn(self.draft, self.pool, self.table, self.topk, self.steps, key[1],
-                      **views)
+        args = (self.draft, self.pool, self.table, self.topk, self.steps, key[1])
+        with torch.inference_mode():
+            if self.executor == "replay":
+                return self._loop(*args, **views)
+            if key in self._compiled:
+                return self._compiled[key](*args, **views)
+            self._compiled[key] = torch.compile(_own_code(self._loop), fullgraph=True,
+                                                dynamic=False)
+            # Compilation happens at this first call; the cache flags only matter then.
+            with torch._inductor.config.patch(fx_graph_cache=True), \
+                    torch._functorch.config.patch(enable_autograd_cache=True):
+                return self._compiled[key](*args, **views)

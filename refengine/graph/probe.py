@@ -36,7 +36,7 @@ import torch
 from refengine.config import SamplingParams
 from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.graph.runner import GraphBatch, GraphRunner
-from refengine.graph.staging import DUMMY_ROW, DUMMY_SLOT, PAD_POLICY, pad_to_bucket
+from refengine.graph.staging import DUMMY_ROW, DUMMY_SLOT, PAD_POLICY
 from refengine.memory.allocator import AllocatorState
 from refengine.model.llama import ForwardBatch, ForwardOutput
 from refengine.request import Req
@@ -280,11 +280,8 @@ class DraftLoopKind:
         if mode == "eager":
             return Prepared(lambda: loop_outputs(worker.eager_search(reqs, din)), targets,
                             len(reqs))
-        staged = {"rows": torch.tensor([r.row for r in reqs]),
-                  "roots": torch.tensor([r.kv_committed_len for r in reqs]),
-                  "seq_lens": torch.tensor([r.kv_committed_len for r in reqs])}
-        longest = loop.longest({k: v for k, v in staged.items() if k in loop.staging.fields})
-        if len(reqs) > loop.sizes[-1] or longest > loop.kv_sizes[-1]:
+        key = loop.key(len(reqs), torch.tensor([r.kv_committed_len for r in reqs]))
+        if key is None:
             raise RuntimeError(f"graph probe: {len(reqs)} requests do not replay on the "
                                f"{self.loop_kind!r} loop; a graph run that fell back to "
                                "eager would prove nothing")
@@ -294,8 +291,7 @@ class DraftLoopKind:
             assert found is not None
             return loop_outputs(found)
 
-        return Prepared(execute, targets, pad_to_bucket(len(reqs), loop.sizes),
-                        loop.staging.buffers, self.padded_names)
+        return Prepared(execute, targets, key[0], loop.staging.buffers, self.padded_names)
 
 
 def loop_outputs(found: LoopOutput) -> dict[str, torch.Tensor]:
@@ -312,7 +308,7 @@ KINDS: dict[str, ProbeKind] = {
     "verify-tree": ForwardKind(
         "verify", lambda p, r, reqs, s: verify_batch(p, r, reqs, s, causal=False)),
     "draft:eagle": DraftLoopKind("draft:eagle", True, 0, {
-        "rows": "request_rows", "scratch": "out_slots", "verified_id": "token_ids",
+        "rows": "request_rows", "scratch": "out_slots", "topk_index": "token_ids",
         "roots": "lengths"}),
     "draft:mtp": DraftLoopKind("draft:mtp", False, 1, {
         "rows": "request_rows", "bonus_tokens": "token_ids", "seq_lens": "lengths"}),

@@ -1,10 +1,11 @@
 """The search of one draft step, apart from how its forwards run.
 
-``chain_search`` (``topk == 1``) and ``beam_search`` (``topk > 1``) take the step's starting
-``DraftInput`` and a ``DraftForward`` and do only tensor work with shapes fixed by the batch
-size: no host sync, no data-dependent shape. So the same code serves the eager draft (its
-forward builds a batch through the ``ModelRunner`` each time) and the graph runner's draft loop
-(its forward reads static, bucket-padded buffers and can sit inside a compiled region). Tree
+``search`` (``chain_search`` for ``topk == 1``, ``beam_search`` above) takes the step's first
+candidates, the draft's feature at the root and a ``DraftForward``, and does only tensor work
+with shapes fixed by the batch size: no host sync, no data-dependent shape. So the same code
+serves the eager draft (its forward builds a batch through the ``ModelRunner`` each time) and
+the graph runner's draft loop (its forward reads static, bucket-padded buffers and can sit
+inside a compiled region). Tree
 assembly from the candidates (``select_candidates``, ``build_tree_reference``) stays outside:
 it is where the verify tree's data-dependent structure is decided.
 """
@@ -15,8 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from refengine.spec.inputs import DraftInput
 
 # One draft forward of a step: (step i, node tokens [b*w], their input features [b*w, H],
 # ancestor mask [b, w, >= i*w] or None) -> (logits [b*w, V], predicted features [b*w, H]).
@@ -44,35 +43,45 @@ class Candidates:
 LoopOutput = torch.Tensor | Candidates  # a chain's draft tokens [b, S], or a beam's candidates
 
 
-def chain_search(din: DraftInput, steps: int, forward: DraftForward) -> torch.Tensor:
+def search(topk_p: torch.Tensor, topk_index: torch.Tensor, hidden: torch.Tensor, steps: int,
+           forward: DraftForward) -> LoopOutput:
+    """One draft step from its first candidates (``topk_p``/``topk_index`` ``[b, k]``, the
+    draft's feature at the root ``hidden [b, H]``): the chain for ``k == 1``, else the beam."""
+    if topk_index.shape[1] == 1:
+        return chain_search(topk_index, hidden, steps, forward)
+    return beam_search(topk_p, topk_index, hidden, steps, forward)
+
+
+def chain_search(topk_index: torch.Tensor, hidden: torch.Tensor, steps: int,
+                 forward: DraftForward) -> torch.Tensor:
     """``topk == 1``: ``steps - 1`` forwards along the single path -> the draft tokens
     ``[b, steps]``, one per step, without the root (the caller has it; a graph's copy of it is
     only an input). Each step's token is the argmax of its logits: the top-1 of their softmax
     without computing it."""
-    tokens = [din.topk_index[:, 0]]
-    features = din.hidden_states
+    tokens = [topk_index[:, 0]]
+    features = hidden
     for i in range(1, steps):
         logits, features = forward(i, tokens[-1], features, None)
         tokens.append(torch.argmax(logits, dim=-1))
     return torch.stack(tokens, dim=1)
 
 
-def beam_search(din: DraftInput, steps: int, k: int, forward: DraftForward) -> Candidates:
+def beam_search(topk_p: torch.Tensor, topk_index: torch.Tensor, hidden: torch.Tensor,
+                steps: int, forward: DraftForward) -> Candidates:
     """A beam of ``k`` nodes per request over ``steps - 1`` forwards. Step i's nodes see the
     committed prefix and (``node_mask``) the scratch entries of their ancestors and themselves;
     every child of every beam node becomes a candidate, and the ``k`` best paths by score
     (a stable sort: ties keep production order) form the next beam."""
-    b = din.batch_size
-    scores = [din.topk_p]
-    cand_tokens = [din.topk_index]
-    cand_parents = [torch.full((b, k), -1, dtype=torch.int64, device=din.topk_index.device)]
-    beam_tokens, beam_scores = din.topk_index, din.topk_p
-    beam_feat = din.hidden_states[:, None, :].expand(b, k, -1)
-    beam_flat = torch.arange(k, device=din.topk_index.device).expand(b, k)
-    ancestors = torch.zeros((b, k, max(k * (steps - 1), 1)), dtype=torch.bool,
-                            device=din.topk_index.device)
+    (b, k), device = topk_index.shape, topk_index.device
+    scores = [topk_p]
+    cand_tokens = [topk_index]
+    cand_parents = [torch.full((b, k), -1, dtype=torch.int64, device=device)]
+    beam_tokens, beam_scores = topk_index, topk_p
+    beam_feat = hidden[:, None, :].expand(b, k, -1)
+    beam_flat = torch.arange(k, device=device).expand(b, k)
+    ancestors = torch.zeros((b, k, max(k * (steps - 1), 1)), dtype=torch.bool, device=device)
     offset = k
-    own_entry = torch.eye(k, dtype=torch.bool, device=din.topk_index.device)
+    own_entry = torch.eye(k, dtype=torch.bool, device=device)
     for i in range(1, steps):
         node_mask = ancestors.clone()
         node_mask[:, :, (i - 1) * k:i * k] |= own_entry

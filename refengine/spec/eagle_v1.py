@@ -44,8 +44,7 @@ from refengine.spec.draft_search import (
     Candidates,
     DraftForward,
     LoopOutput,
-    beam_search,
-    chain_search,
+    search,
     top_k,
 )
 from refengine.spec.draft_state import DraftState
@@ -241,7 +240,7 @@ class EagleV1Worker:
         k, steps = self.spec.topk, self.spec.num_steps
         with self.scratch(reqs, k * (steps - 1)) as slots:
             return loop.run({"topk_p": din.topk_p, "topk_index": din.topk_index,
-                             "hidden": din.hidden_states, "verified_id": din.verified_id,
+                             "hidden": din.hidden_states,
                              "rows": torch.tensor([r.row for r in reqs], dtype=torch.int64),
                              "roots": torch.tensor(self.roots(reqs), dtype=torch.int64),
                              "scratch": slots})
@@ -253,8 +252,7 @@ class EagleV1Worker:
         ``beam_search`` with one node: ``tests/test_spec_engine.py`` checks it)."""
         k, steps = self.spec.topk, self.spec.num_steps
         with self.draft_forwards(reqs, k) as forward:
-            return (chain_search(din, steps, forward) if k == 1
-                    else beam_search(din, steps, k, forward))
+            return search(din.topk_p, din.topk_index, din.hidden_states, steps, forward)
 
     def to_verify_input(self, reqs: list[Req], root_tokens: torch.Tensor, found: LoopOutput
                         ) -> VerifyInput:
