@@ -141,3 +141,19 @@ def test_draft_loop_kinds_pass_the_graph_properties(spec_pair: tuple[Path, Path]
     checks.check_poisoned_padding(probe, kind)
     checks.check_no_history_dependence(probe, kind)  # graph == eager above also checks state
     probe.release()
+
+
+def test_mtp_graph_loop_runs_a_subclassed_assistant(spec_pair: tuple[Path, Path],
+                                                    mtp_dir: Path) -> None:
+    """The graph loop calls the assistant's own class's forward, also a subclass's that
+    overrides it without the inference-mode decorator (the bug zoo's draft that writes KV):
+    the loop runs, and that draft's writes show as they do eagerly."""
+    from conformance.backends.mutants import FrozenDraftWritesKV
+
+    def run(graphs: bool) -> list[list[int]]:
+        engine = FrozenDraftWritesKV(mtp_engine(
+            spec_pair, mtp_dir, "chain-s3-n4", cuda_graph=graphs, graph_executor="replay",
+            max_running_requests=8).config)
+        return [o.output_ids for o in engine.generate(SPEC_PROMPTS, STAGGERED)]
+
+    assert run(graphs=True) == run(graphs=False)

@@ -156,10 +156,13 @@ def eagle_loop(draft: EagleDraftModel, pool: KVPool, table: torch.Tensor, topk: 
 def mtp_draft_forward(draft: FrozenKVMTPDraftModel, tokens: torch.Tensor, hidden: torch.Tensor,
                       positions: torch.Tensor, meta: AttentionMetadata, pool: KVPool
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The assistant's own forward without its ``inference_mode`` decorator: the executor
-    already runs in inference mode, and inductor cannot compile the decorator's mode switch
-    (it fails on the pool's inference tensors)."""
-    return type(draft).forward.__wrapped__(draft, tokens, hidden, positions, meta, pool)
+    """The assistant's own forward (its class's, a subclass's included) without the
+    ``inference_mode`` decorator where it has one: the executor already runs in inference mode,
+    and inductor cannot compile the decorator's mode switch (it fails on the pool's inference
+    tensors)."""
+    forward = type(draft).forward
+    forward = getattr(forward, "__wrapped__", forward)
+    return forward(draft, tokens, hidden, positions, meta, pool)
 
 
 def mtp_loop(draft: FrozenKVMTPDraftModel, pool: KVPool, table: torch.Tensor, topk: int,
