@@ -35,6 +35,7 @@ from conformance.adapter import (
     Request,
     TokenEvent,
 )
+from conformance.backends.finish import FinishRule, eos_token_id
 from refengine.data import resolve_model_dir
 from refengine.request import FinishReason
 from refengine.sampler import sample_one, sampling_probs
@@ -55,26 +56,6 @@ class _Job:
     reason: FinishReason | None = None
 
 
-def _stop_string_index(text: str, stops: tuple[str, ...]) -> int | None:
-    """Where the earliest of ``stops`` starts in ``text``, or None (written here, not imported
-    from refengine, so a bug there cannot hide by being shared)."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _eos_of(model_config: object, tokenizer: object) -> int:
-    """The EOS id the way refengine reads it: config.json's (first if a list), else 0.
-
-    A config without one falls back to the tokenizer's EOS before refengine's default of 0.
-    """
-    eos = getattr(model_config, "eos_token_id", None)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
-    if eos is None:
-        eos = getattr(tokenizer, "eos_token_id", None)
-    return int(eos) if eos is not None else 0
-
-
 class HFHandle:
     """An opened HF model. ``step`` runs everything queued to completion in one call."""
 
@@ -85,7 +66,8 @@ class HFHandle:
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         self.max_context_len = int(cfg.max_position_embeddings)
-        self.eos_token_id = _eos_of(cfg, tokenizer)
+        self.eos_token_id = eos_token_id(getattr(cfg, "eos_token_id", None),
+                                         getattr(tokenizer, "eos_token_id", None))
         self.engine_seed = engine_seed
         self.max_batch = max_batch
         self._queue: list[_Job] = []
@@ -155,24 +137,12 @@ class HFHandle:
         return self.tokenizer.decode(ids, skip_special_tokens=True,
                                      clean_up_tokenization_spaces=False)
 
-    def _final_text(self, job: _Job) -> str:
-        text = self._decode(job.output_ids)
-        if job.reason == "stop" and job.req.params.stop:
-            cut = _stop_string_index(text, job.req.params.stop)
-            text = text if cut is None else text[:cut]
-        return text
+    def _rule(self, job: _Job) -> FinishRule:
+        return FinishRule(job.req.params, len(job.req.prompt_ids), self.eos_token_id,
+                          self.max_context_len, self._decode)
 
-    def _finish_reason(self, job: _Job, token: int) -> FinishReason | None:
-        """Checked after ``token`` is appended, in refengine's order: ids, strings, length."""
-        p = job.req.params
-        if token in p.stop_token_ids or (token == self.eos_token_id and not p.ignore_eos):
-            return "stop"
-        if p.stop and _stop_string_index(self._decode(job.output_ids), p.stop) is not None:
-            return "stop"
-        if (len(job.output_ids) >= p.max_new_tokens
-                or len(job.req.prompt_ids) + len(job.output_ids) >= self.max_context_len):
-            return "length"
-        return None
+    def _final_text(self, job: _Job) -> str:
+        return self._rule(job).text(job.output_ids, job.reason)
 
     def _select(self, logits: torch.Tensor, jobs: list[_Job]) -> list[int]:
         """One token per row: argmax for greedy rows, refengine's seeded draw for sampled ones."""
@@ -210,7 +180,7 @@ class HFHandle:
             keep: list[int] = []
             for b, (job, token) in enumerate(zip(live, tokens, strict=True)):
                 job.output_ids.append(token)
-                job.reason = self._finish_reason(job, token)
+                job.reason = self._rule(job).reason(job.output_ids)
                 if job.reason is None:
                     keep.append(b)
             if not keep:
