@@ -36,6 +36,7 @@ from conformance.adapter import (
     TokenEvent,
 )
 from conformance.backends.finish import FinishRule, eos_token_id
+from conformance.backends.request_check import check_request
 from refengine.data import resolve_model_dir
 from refengine.request import FinishReason
 from refengine.sampler import sample_one, sampling_probs
@@ -76,20 +77,8 @@ class HFHandle:
 
     def submit(self, req: Request) -> None:
         self._check_open()
-        if req.session_id is not None:
-            raise ValueError("session_id: the hf backend has no streaming sessions")
-        if any(job.req.rid == req.rid for job in self._queue):
-            raise ValueError(f"rid: request {req.rid!r} is already live")
-        ids = req.prompt_ids
-        if not ids:
-            raise ValueError("prompt: empty (at least one token is needed)")
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt: token id {t!r} is outside the vocabulary "
-                                 f"(0..{self.vocab_size - 1})")
-        if len(ids) >= self.max_context_len:
-            raise ValueError(f"prompt: {len(ids)} tokens exceed the context length "
-                             f"{self.max_context_len} (room for at least one new token needed)")
+        check_request(req, (job.req.rid for job in self._queue), self.vocab_size,
+                      self.max_context_len, "hf")
         p = req.params
         # refengine's derivation, so unseeded sampled requests also agree across backends.
         seed = p.seed if p.seed is not None else (
