@@ -31,6 +31,7 @@ class Capabilities:
     tree: bool = False
     overlap: bool = False
     sampling: bool = False
+    seeded_sampling: bool = False    # SamplingParams.seed alone fixes a sampled request's tokens
     stepwise: bool = False
     abort: bool = False
     sessions: bool = False

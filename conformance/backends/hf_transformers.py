@@ -190,7 +190,7 @@ class HFBackend:
     version = f"transformers {transformers.__version__}"
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(algorithms=frozenset({"none"}), sampling=True)
+        return Capabilities(algorithms=frozenset({"none"}), sampling=True, seeded_sampling=True)
 
     def open(self, cfg: OpenConfig) -> HFHandle:
         if cfg.spec is not None:

@@ -10,15 +10,16 @@ named, a mutant is ``mutant:<name>``.
 
 These model bug classes from production engines (``docs/bug-classes.md``): leaked KV, leaked
 request rows, stale state after retraction, off-by-one length checks, dropped stop conditions,
-batch-dependent attention, stale graph padding (a mutant that opens with the graph runner on,
-``Mutant.graphs``); and one
-speculative-sampling bug (``biased_verify_sampler``), which only shows in the distribution of
-sampled tokens and is the distribution tier's negative control. A mutant with
-``spec`` other than "none" behaves exactly like the reference engine under plain decoding.
+ignored sampling seeds, batch-dependent attention, stale graph padding (a mutant that opens
+with the graph runner on, ``Mutant.graphs``); and one speculative-sampling bug
+(``biased_verify_sampler``), which only shows in the distribution of sampled tokens and is the
+distribution tier's negative control. A mutant with ``spec`` other than "none" behaves exactly
+like the reference engine under plain decoding.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -139,16 +140,37 @@ class MaxNewTokensOffByOne(Engine):
     output_class = _LengthOffByOne
 
 
+def _finish_reason_without(out: OutputProcessor, req: Req, **dropped: tuple[()]
+                           ) -> FinishReason | None:
+    """The reference finish check with some of the request's stop conditions dropped."""
+    return finish_reason(replace(req.params, **dropped), req.output_ids, req.seq_len,
+                         out.eos_token_id, out.max_context_len, out.decode)
+
+
 class _DropsStopTokenIds(OutputProcessor):
     def finish_reason(self, req: Req) -> FinishReason | None:
-        return finish_reason(replace(req.params, stop_token_ids=()), req.output_ids,
-                             req.seq_len, self.eos_token_id, self.max_context_len, self.decode)
+        return _finish_reason_without(self, req, stop_token_ids=())
 
 
 class IgnoresStopTokenIds(Engine):
     """``stop_token_ids`` is dropped on the way to the finish check (EOS still works)."""
 
     output_class = _DropsStopTokenIds
+
+
+class _DropsRequestSeed(Scheduler):
+    def add(self, req: Req) -> None:
+        # BUG: the request's own seed is lost on the way in; it draws as an unseeded request
+        # would, from a seed derived from its request id.
+        req.seed = zlib.crc32(req.rid.encode()) % (2**31)
+        super().add(req)
+
+
+class SeedIgnored(Engine):
+    """A per-request seed is silently ignored: every request draws from a seed derived from its
+    request id. Draws stay independent and correctly distributed; only reproducibility breaks."""
+
+    scheduler_class = _DropsRequestSeed
 
 
 class _LongestMaskRunner(ModelRunner):
@@ -351,6 +373,39 @@ class StopInsideRunIgnored(Engine):
     output_class = _ChecksRunOnce
 
 
+class _StopStringsAtRunEnd(OutputProcessor):
+    def append(self, req: Req, tokens: list[int]) -> FinishReason | None:
+        for token in tokens:
+            req.output_ids.append(token)
+            # BUG: stop tokens and the length limit are checked per token, stop strings only
+            # once the whole accepted run is in.
+            reason = _finish_reason_without(self, req, stop=())
+            if reason is not None:
+                return reason
+        return self.finish_reason(req) if tokens else None
+
+
+class StopStringAtRunEnd(Engine):
+    """Stop strings are checked once per accepted run (stop tokens still per token): a string
+    completed inside a run lets the rest of the run through."""
+
+    output_class = _StopStringsAtRunEnd
+
+
+class _SeedsByBatchRow(EagleV1Worker):
+    def sample_path(self, req: Req, vin: VerifyInput, row: int, probs: torch.Tensor
+                    ) -> SampledPath:
+        # BUG: the verify draws are seeded by the request's row in the batch, not by its seed.
+        return super().sample_path(replace(req, seed=row), vin, row, probs)
+
+
+class SeedByBatchRow(Engine):
+    """Speculative sampling seeds its draws with the request's row in the verify batch instead
+    of the request's seed: the same seed gives other tokens in another batch composition."""
+
+    worker_classes = with_worker("eagle", _SeedsByBatchRow)
+
+
 class _PositionalFilter(DraftState):
     def drop(self, rid: str) -> None:
         if rid in self.rids:  # assumes removed rows are a suffix: truncate instead of gather
@@ -527,6 +582,9 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("frozen_draft_writes_kv", FrozenDraftWritesKV, spec="mtp"),
     Mutant("stale_padded_rows", StalePaddedRows, graphs="replay"),
     Mutant("bonus_tokens_not_restaged", BonusTokensNotRestaged, spec="mtp", graphs="replay"),
+    Mutant("seed_ignored", SeedIgnored),
+    Mutant("seed_by_batch_row", SeedByBatchRow, spec="eagle"),
+    Mutant("stop_string_at_run_end", StopStringAtRunEnd, spec="eagle"),
 ]}
 
 

@@ -64,7 +64,7 @@ class RefEngineBackend:
 
     def capabilities(self) -> Capabilities:
         return Capabilities(algorithms=frozenset({"none", "eagle", "frozen_kv_mtp"}), tree=True,
-                            sampling=True,
+                            sampling=True, seeded_sampling=True,
                             stepwise=True, abort=True, memory_view=True, acceptance_stats=True,
                             reference_draft=True, worker_hooks=True, forced_retract=True,
                             kernels=True, overlap=True, sessions=True, in_flight=True,
