@@ -117,8 +117,35 @@ class EngineHandle(Protocol):
 
 @runtime_checkable
 class Backend(Protocol):
+    """What ``--backend`` names.
+
+    Optional extra: ``unclaimed_reasons() -> dict[str, str]``, one line per capability the
+    backend does not claim saying why (keys as ``Capabilities.claims`` takes them: a flag, or
+    ``algorithm:<name>``); the certificate shows them beside what was not claimed.
+    """
+
     name: str
     version: str
 
     def capabilities(self) -> Capabilities: ...
     def open(self, cfg: OpenConfig) -> EngineHandle: ...
+
+
+def unclaimed_reasons(backend: Backend) -> dict[str, str]:
+    """The backend's reasons for what it does not claim ({} if it gives none); ValueError for
+    a key naming no capability or one it claims, or a reason that is not one line."""
+    give = getattr(backend, "unclaimed_reasons", None)
+    if give is None:
+        return {}
+    reasons = dict(give())
+    caps = backend.capabilities()
+    for name, why in reasons.items():
+        known = (name.split(":", 1)[1] in ALGORITHMS if name.startswith("algorithm:")
+                 else name in FLAG_NAMES)
+        if not known:
+            raise ValueError(f"unclaimed_reasons: {name!r} is not a capability")
+        if caps.claims(name):
+            raise ValueError(f"unclaimed_reasons: {name!r} is claimed")
+        if not isinstance(why, str) or not why.strip() or "\n" in why:
+            raise ValueError(f"unclaimed_reasons: {name!r} needs a one-line reason")
+    return reasons

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conformance.adapter import Backend, Capabilities, OpenConfig, SpecConfig
+from conformance.adapter import Backend, Capabilities, OpenConfig, SpecConfig, unclaimed_reasons
 from conformance.oracle import ReferenceOracle
 from conformance.prompts import PromptCase, load_prompt_set
 from conformance.quick_exit import WorkerInterruptExit
@@ -247,6 +247,7 @@ class ResultCollector:
                 "backend": {"name": ctx.backend.name, "version": ctx.backend.version,
                             "resolved_from": ctx.backend_name},
                 "capabilities": ctx.caps.as_dict(), "spec": ctx.spec.name,
+                "unclaimed_reasons": unclaimed_reasons(ctx.backend),
                 "profile": ctx.profile.name, "graphs": ctx.graph_executor, "vacuous": vacuous,
                 "interrupted": self.interrupted, "checks": rows,
             }, indent=1))

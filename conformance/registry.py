@@ -7,14 +7,16 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import entry_points
 
-from conformance.adapter import Backend
+from conformance.adapter import Backend, unclaimed_reasons
 
 ENTRY_POINT_GROUP = "specgate.backends"
 BUILTIN = {  # so a checkout works before `pip install -e .` registers the entry points
     "refengine": "conformance.backends.refengine:backend",
     "hf": "conformance.backends.hf_transformers:backend",
+    "ctranslate2": "conformance.backends.ctranslate2_backend:backend",
 }
-EXTRAS = {"hf": "hf"}  # bundled backends whose libraries are an optional extra of specgate
+# bundled backends whose libraries are an optional extra of specgate
+EXTRAS = {"hf": "hf", "ctranslate2": "ctranslate2"}
 
 
 class BackendError(ValueError):
@@ -61,4 +63,8 @@ def load_backend(spec: str) -> Backend:
     if not isinstance(backend, Backend):
         raise BackendError(f"backend {spec!r}: {target} did not give a Backend (needs name, "
                            "version, capabilities(), open())")
+    try:
+        unclaimed_reasons(backend)
+    except ValueError as err:
+        raise BackendError(f"backend {spec!r}: {err}") from None
     return backend

@@ -47,6 +47,8 @@ class Certificate:
     matrix: dict[str, dict[str, str]]  # capability -> tier -> status of checks needing it
     interrupted: bool = False
     graphs: str | None = None  # the backend's graph executor the run asked for (None: eager)
+    # capability -> why the backend does not claim it (Backend.unclaimed_reasons, optional)
+    unclaimed_reasons: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_checks(self) -> int:
@@ -112,6 +114,7 @@ def build_certificate(results: dict[str, object]) -> Certificate:
         environment=_environment(),
         created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ"),
         checks=checks, matrix=matrix, interrupted=interrupted,
+        unclaimed_reasons=dict(results.get("unclaimed_reasons", {})),  # type: ignore[call-overload]
         graphs=results.get("graphs"))  # type: ignore[arg-type]
 
 
@@ -161,6 +164,10 @@ def render_markdown(cert: Certificate) -> str:
             "Each cell: the status of the checks in that tier that need the capability. "
             "\"not claimed\" means the backend does not declare it: nothing was certified.", "",
             matrix_table(cert), ""]
+    if cert.unclaimed_reasons:
+        out += ["## Not claimed, and why", "", "As the backend explains it:", ""]
+        out += [f"- `{cap}`: {why}" for cap, why in sorted(cert.unclaimed_reasons.items())]
+        out.append("")
     not_run = [(t.tier, why, n) for t in cert.tiers for why, n in t.not_run.items()]
     if not_run:
         out += ["## Checks that did not run, and why", "", "| tier | checks | why |",

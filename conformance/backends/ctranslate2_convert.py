@@ -1,0 +1,69 @@
+"""An HF Llama directory converted to a CTranslate2 model once, into a cache shared by every
+process (pytest-xdist workers open the backend at the same time).
+
+The cache key is the directory's content (every file's name and bytes) with the CTranslate2
+version and compute type, so a changed weight, config or tokenizer, or a new CTranslate2,
+converts again. A conversion is written to a temporary sibling directory and renamed into
+place whole: a reader sees no directory or a complete one, and when two processes race, the
+first rename wins and the other discards its copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import ctranslate2
+
+CACHE_ENV = "SPECGATE_CACHE"   # the cache root; default $XDG_CACHE_HOME/specgate or ~/.cache/...
+COMPUTE_TYPE = "float32"       # what refengine computes in, so greedy outputs can be compared
+
+
+def cache_root() -> Path:
+    base = os.environ.get(CACHE_ENV)
+    if base:
+        return Path(base) / "ctranslate2"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "specgate" / "ctranslate2"
+
+
+def content_key(source: Path) -> str:
+    digest = hashlib.sha256(f"ctranslate2 {ctranslate2.__version__} {COMPUTE_TYPE}".encode())
+    for path in sorted(p for p in source.iterdir() if p.is_file()):
+        digest.update(f"\0{path.name}\0{path.stat().st_size}\0".encode())
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:32]
+
+
+def converted_model_dir(source: Path) -> Path:
+    """The CTranslate2 model of ``source`` (an HF directory), converting it on first use."""
+    target = cache_root() / content_key(source)
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        _convert(source, staging)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+            # another process renamed its conversion into place first: keep that one
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _convert(source: Path, out: Path) -> None:
+    import transformers  # only a conversion needs it (seconds to import)
+    from ctranslate2.converters import TransformersConverter
+
+    transformers.utils.logging.disable_progress_bar()  # a loading bar per conversion is noise
+    TransformersConverter(str(source), low_cpu_mem_usage=True).convert(
+        str(out), quantization=COMPUTE_TYPE, force=True)
