@@ -107,7 +107,8 @@ def _certify_one(args: argparse.Namespace, spec: SpecChoice, out_dir: Path,
     out_dir.mkdir(parents=True, exist_ok=True)
     junit = out_dir / "junit.xml"
     opts = SuiteOptions(args.backend, spec.name, args.profile, args.model, args.draft_model,
-                        workers=args.workers, graphs=args.graphs)
+                        workers=args.workers, graphs=args.graphs,
+                        case_timeout=args.case_timeout)
     with tempfile.TemporaryDirectory() as tmp:
         run = run_suite(opts, Path(tmp) / "results.json", junit, (TierProgress(console),))
     if junit.exists():
@@ -386,6 +387,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from conformance.specs import SPECS
 
@@ -411,13 +422,19 @@ def build_parser() -> argparse.ArgumentParser:
                          help="output directory, replaced as a whole at the end of the run")
     certify.add_argument("-n", dest="workers", type=_positive_int,
                          default=min(2, os.cpu_count() or 1),
-                         help="pytest-xdist workers (0 or 1: in-process)")
+                         help="pytest-xdist workers (0: in-process, where a backend stuck in "
+                              "native code stops the run instead of failing its check)")
     certify.add_argument("--model", default="tiny-code", help="fixture name or model directory")
     certify.add_argument("--draft-model", default=None,
                          help="override the spec configurations' draft model")
     certify.add_argument("--graphs", default=None, choices=GRAPH_EXECUTORS,
                          help="run the backend's forwards through its graph runner with this "
                               "executor (the backend must claim graph_runner); default: eager")
+    certify.add_argument("--case-timeout", type=_seconds, default=None, metavar="SECONDS",
+                         help="each phase of a check (set-up, run, teardown) that takes longer "
+                              "fails with the backend call it was in; 0: no limit; default by "
+                              "profile: gate 300, full 1200, four times that with --graphs "
+                              "compiled")
     certify.set_defaults(func=cmd_certify)
 
     gold = sub.add_parser("golden", formatter_class=fmt,

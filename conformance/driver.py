@@ -7,12 +7,17 @@ a streaming session's turn it knows the whole context (earlier turns' prompts an
 the turn's new tokens) and checks the inherited KV the turn reports: exactly the context before
 it minus its final token, the previous turn's completion included. A run that stops making
 progress fails instead of hanging.
+
+Every call into the backend goes through ``backend_call``: an exception it raises (or the case
+timeout's, while it runs) carries a note naming the call, e.g. ``during handle.step() call 7;
+live requests: [...]``, so a failure says which call of the backend failed.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 
 from conformance.adapter import (
@@ -25,7 +30,19 @@ from conformance.adapter import (
     SamplingParams,
     TokenEvent,
 )
+from conformance.case_timeout import CaseTimeout
 from conformance.invariants import InvariantError, check_busy, check_idle
+
+
+@contextmanager
+def backend_call(what: str) -> Iterator[None]:
+    """Name the backend call on whatever it raises, or on the case timeout hitting inside it
+    (the exception keeps its type: a check expecting a ValueError still gets one)."""
+    try:
+        yield
+    except (Exception, CaseTimeout) as err:
+        err.add_note(f"during {what}")
+        raise
 
 
 @dataclass
@@ -58,7 +75,8 @@ class Driver:
                session_id: str | None = None) -> None:
         """``session_id``: the turn carries only its new tokens; the backend puts the
         session's context before them."""
-        self.handle.submit(Request(rid, tuple(prompt_ids), params, session_id))
+        with self._calling(f"handle.submit({rid!r})"):
+            self.handle.submit(Request(rid, tuple(prompt_ids), params, session_id))
         full = list(prompt_ids)
         if session_id is not None:
             full = self.contexts[session_id] + full
@@ -67,25 +85,35 @@ class Driver:
         self.streamed[rid] = []
         self.live.add(rid)
 
+    def _calling(self, what: str) -> AbstractContextManager[None]:
+        live = sorted(self.live)
+        shown = ", ".join(live[:8]) + (f", ... ({len(live)} in all)" if len(live) > 8 else "")
+        return backend_call(f"{what}; live requests: [{shown}]")
+
     def open_session(self, session_id: str) -> None:
-        self.handle.open_session(session_id)
+        with self._calling(f"handle.open_session({session_id!r})"):
+            self.handle.open_session(session_id)
         self.contexts[session_id] = []
 
     def close_session(self, session_id: str) -> None:
-        self.handle.close_session(session_id)
+        with self._calling(f"handle.close_session({session_id!r})"):
+            self.handle.close_session(session_id)
         del self.contexts[session_id]
 
     def abort(self, rid: str) -> None:
-        self.handle.abort(rid)
+        with self._calling(f"handle.abort({rid!r})"):
+            self.handle.abort(rid)
 
     def step(self) -> list[Event]:
-        events = self.handle.step()
+        with self._calling(f"handle.step() call {self.steps + 1}"):
+            events = self.handle.step()
         self.steps += 1
         where = f"step {self.steps}"
         for ev in events:
             self._record(ev, where)
         if self.caps.memory_view:
-            view = self.handle.memory()
+            with self._calling(f"handle.memory() after step {self.steps}"):
+                view = self.handle.memory()
             if self.live:
                 check_busy(view, self.prompt_lens,
                            {r: len(t) for r, t in self.streamed.items()}, where, self.overlap)

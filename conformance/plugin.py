@@ -6,12 +6,20 @@ as passed), refuses vacuous runs (zero checks, or every check skipped), prints a
 backend, version and capabilities, and writes a machine-readable results file for
 ``specgate certify``. Works under pytest-xdist: per-check data travels in ``user_properties``
 and only the controller writes results.
+
+A check that raises or hangs fails alone: every phase of a check has a timeout
+(``conformance.case_timeout``), and a worker stuck in native code is ended by the native
+watchdog (``conformance.native_watchdog``); xdist reports that check as crashed, and its row
+says why. The results also say what was certified: each configuration's parameters and the
+precision the backend declares (``conformance.certified``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -19,7 +27,16 @@ import pytest
 import torch
 
 from conformance.adapter import Backend, Capabilities, OpenConfig, SpecConfig, unclaimed_reasons
+from conformance.case_timeout import CaseDeadline, default_seconds, native_grace
+from conformance.certified import config_record
+from conformance.native_watchdog import (
+    WORKER_INPUT_KEY,
+    NativeWatchdog,
+    crash_message,
+    dump_path,
+)
 from conformance.oracle import ReferenceOracle
+from conformance.progress import tier_of
 from conformance.prompts import PromptCase, load_prompt_set
 from conformance.quick_exit import WorkerInterruptExit
 from conformance.registry import BackendError, load_backend
@@ -92,6 +109,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--specgate-graphs", default=None, choices=GRAPH_EXECUTORS,
                     help="run the backend's forwards through its graph runner with this "
                          "executor (backends claiming graph_runner)")
+    group.addoption("--specgate-case-timeout", default=None, type=float,
+                    help="seconds each phase of a check may take before it fails (0: no "
+                         "limit); default by profile: " + ", ".join(
+                             f"{p} {default_seconds(p, None):g}" for p in PROFILES)
+                         + ", four times that with --specgate-graphs compiled")
     group.addoption("--specgate-results", default=None,
                     help="write per-check results (JSON) here")
 
@@ -106,10 +128,26 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "specgate_requires(*capabilities): capabilities the "
                             "backend must claim (flags, or 'algorithm:<name>')")
     config.addinivalue_line("markers", "slow: long-running check")
-    if hasattr(config, "workerinput"):  # xdist workers forward their reports instead
+    seconds = case_timeout(config)
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:  # xdist workers forward their reports instead
         config.pluginmanager.register(WorkerInterruptExit(), "specgate-worker-exit")
+        watchdog_dir = workerinput.get(WORKER_INPUT_KEY)
+        watchdog = (NativeWatchdog(dump_path(Path(watchdog_dir), workerinput["workerid"]))
+                    if watchdog_dir and seconds > 0 else None)
+        config.pluginmanager.register(CaseDeadline(seconds, watchdog), "specgate-timeout")
     else:
         config.pluginmanager.register(ResultCollector(config), "specgate-results")
+        # in-process runs: no native watchdog, which would end the whole run
+        config.pluginmanager.register(CaseDeadline(seconds), "specgate-timeout")
+
+
+def case_timeout(config: pytest.Config) -> float:
+    chosen = config.getoption("--specgate-case-timeout")
+    if chosen is not None:
+        return float(chosen)
+    return default_seconds(config.getoption("--specgate-profile"),
+                           config.getoption("--specgate-graphs"))
 
 
 def context(config: pytest.Config) -> SuiteContext:
@@ -195,15 +233,57 @@ class ResultCollector:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.rows: dict[str, dict[str, object]] = {}
+        self.properties: dict[str, dict[str, object]] = {}  # node id -> its suite properties
         self.interrupted = False
+        self.watchdog_dir: Path | None = None  # made when xdist starts its first worker
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node: object) -> None:
+        """xdist is starting a worker: tell it where its native watchdog writes."""
+        if self.watchdog_dir is None:
+            self.watchdog_dir = Path(tempfile.mkdtemp(prefix="specgate-watchdog-"))
+        node.workerinput[WORKER_INPUT_KEY] = str(self.watchdog_dir)  # type: ignore[attr-defined]
 
     def pytest_keyboard_interrupt(self) -> None:
         self.interrupted = True  # the results then cover only the checks that completed
 
+    def _crashed(self, report: pytest.TestReport) -> None:
+        """xdist's report for a check whose worker died (its own phase name is not one of
+        pytest's): a row from the properties the check's set-up sent, and why it died."""
+        if tier_of(report.nodeid) not in self.known_tiers():
+            return
+        props = self.properties.get(report.nodeid, {"specgate_tier": tier_of(report.nodeid)})
+        worker = getattr(report, "node", None)
+        worker_id = getattr(getattr(worker, "gateway", None), "id", "?")
+        seconds = case_timeout(self.config)
+        message = crash_message(self.watchdog_dir, worker_id, seconds, native_grace(seconds))
+        self._store(report, props, "failed", message)
+
+    @staticmethod
+    def known_tiers() -> set[str]:
+        from conformance.suite_run import suite_dir
+        return {tier_of(p.name) for p in suite_dir().glob("test_*.py")}
+
+    def _store(self, report: pytest.TestReport, props: dict[str, object], outcome: str,
+               message: str) -> None:
+        previous = self.rows.get(report.nodeid)
+        if previous is not None and previous["outcome"] == "failed":
+            return  # a teardown after a failure must not hide the failure
+        self.rows[report.nodeid] = {
+            "nodeid": report.nodeid, "tier": props["specgate_tier"],
+            "requires": props.get("specgate_requires", ""), "outcome": outcome,
+            "duration": round(report.duration, 3), "message": message,
+            "figures": {k: v for k, v in props.items() if not k.startswith("specgate_")}}
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when not in ("setup", "call", "teardown"):
+            if report.failed:
+                self._crashed(report)
+            return
         props = dict(report.user_properties)
         if "specgate_tier" not in props:
             return
+        self.properties[report.nodeid] = props
         final = report.when == "call" or (report.when == "setup" and not report.passed) or (
             report.when == "teardown" and report.failed)
         if not final:
@@ -216,16 +296,11 @@ class ResultCollector:
             message = report.longreprtext.strip()[-800:]
         elif report.skipped and isinstance(report.longrepr, tuple):
             message = report.longrepr[2]
-        previous = self.rows.get(report.nodeid)
-        if previous is not None and previous["outcome"] == "failed":
-            return  # a teardown after a failure must not hide the failure
-        self.rows[report.nodeid] = {
-            "nodeid": report.nodeid, "tier": props["specgate_tier"],
-            "requires": props.get("specgate_requires", ""), "outcome": _outcome(report),
-            "duration": round(report.duration, 3), "message": message,
-            "figures": {k: v for k, v in props.items() if not k.startswith("specgate_")}}
+        self._store(report, props, _outcome(report), message)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.watchdog_dir is not None:
+            shutil.rmtree(self.watchdog_dir, ignore_errors=True)
         results_path = self.config.getoption("--specgate-results")
         rows = list(self.rows.values())
         vacuous = None
@@ -248,6 +323,10 @@ class ResultCollector:
                             "resolved_from": ctx.backend_name},
                 "capabilities": ctx.caps.as_dict(), "spec": ctx.spec.name,
                 "unclaimed_reasons": unclaimed_reasons(ctx.backend),
+                "configurations": [config_record(c) for c in ctx.spec.configs],
+                # Capabilities.precision, where the backend's adapter has it
+                "precision": str(getattr(ctx.caps, "precision", "float32")),
+                "case_timeout": case_timeout(self.config),
                 "profile": ctx.profile.name, "graphs": ctx.graph_executor, "vacuous": vacuous,
                 "interrupted": self.interrupted, "checks": rows,
             }, indent=1))

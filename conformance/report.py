@@ -5,6 +5,10 @@ gated off by an undeclared capability; "skipped" if nothing ran for another reas
 "passed". Nothing counts as passed unless at least one check in it passed. Every check that did
 not run is listed in report.md with its reason. A run stopped by Ctrl-C gives a certificate
 whose status is "incomplete": it covers the checks that finished, and only those.
+
+The certificate also says what was certified (``conformance.certified``): every configuration
+with its parameters and τ, the precision the backend declares, the near-ties, and beside
+report.md ``acceptance.png`` (``conformance.acceptance_chart``) when the golden tier ran.
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from conformance.acceptance_chart import AcceptPanel, draw_acceptance, shares
+from conformance.certified import ConfigRun, config_runs, near_ties
+from conformance.png import encode_png
 
 OUTCOMES = ("passed", "failed", "not claimed", "skipped")
 
@@ -49,6 +57,15 @@ class Certificate:
     graphs: str | None = None  # the backend's graph executor the run asked for (None: eager)
     # capability -> why the backend does not claim it (Backend.unclaimed_reasons, optional)
     unclaimed_reasons: dict[str, str] = field(default_factory=dict)
+    precision: str = "float32"  # what the backend declares (Capabilities.precision)
+    configurations: list[ConfigRun] = field(default_factory=list)
+    near_ties: list[dict[str, str]] = field(default_factory=list)
+    case_timeout: float | None = None  # seconds per phase of a check; 0: no limit
+
+    @property
+    def acceptance_panels(self) -> list[AcceptPanel]:
+        return [AcceptPanel(c.id, c.accept_hist, c.golden_accept_hist)
+                for c in self.configurations if c.accept_hist or c.golden_accept_hist]
 
     @property
     def total_checks(self) -> int:
@@ -115,7 +132,12 @@ def build_certificate(results: dict[str, object]) -> Certificate:
         created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ"),
         checks=checks, matrix=matrix, interrupted=interrupted,
         unclaimed_reasons=dict(results.get("unclaimed_reasons", {})),  # type: ignore[call-overload]
-        graphs=results.get("graphs"))  # type: ignore[arg-type]
+        graphs=results.get("graphs"),  # type: ignore[arg-type]
+        precision=str(results.get("precision", "float32")),
+        configurations=config_runs(list(results.get("configurations", [])),  # type: ignore[call-overload]
+                                   checks),
+        near_ties=near_ties(checks),
+        case_timeout=results.get("case_timeout"))  # type: ignore[arg-type]
 
 
 def headline(cert: Certificate) -> str:
@@ -145,6 +167,77 @@ def matrix_table(cert: Certificate) -> str:
     return "\n".join(lines)
 
 
+# figures with a section of their own, left out of the per-check list
+SHOWN_ELSEWHERE = frozenset({"accept_hist", "golden_accept_hist", "near_ties"})
+ACCEPTANCE_PNG = "acceptance.png"
+
+
+def _shown(value: object) -> str:
+    return "—" if value is None or value == "" else str(value)
+
+
+def configurations_table(cert: Certificate) -> str:
+    lines = ["| configuration | algorithm | draft model | S (num_steps) | k (topk) | "
+             "N (num_draft_tokens) | overlap | τ lossless (checks) | "
+             "τ golden tier: backend / golden |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in cert.configurations:
+        p = c.parameters
+        tau = f"{c.tau} ({c.tau_checks})" if c.tau is not None else "—"
+        golden = (f"{c.golden_tau} / {_shown(c.golden_reference_tau)}"
+                  if c.golden_tau is not None else "—")
+        lines.append(f"| `{c.id}` | {p.get('algorithm')} | {_shown(p.get('draft_model'))} | "
+                     f"{_shown(p.get('num_steps'))} | {_shown(p.get('topk'))} | "
+                     f"{_shown(p.get('num_draft_tokens'))} | {_shown(p.get('overlap'))} | "
+                     f"{tau} | {golden} |")
+    return "\n".join(lines)
+
+
+def certified_lines(cert: Certificate) -> list[str]:
+    """What was certified: backend, precision, spec, every configuration's parameters and τ,
+    the near-ties."""
+    b = cert.backend
+    timeout = ("no limit" if not cert.case_timeout
+               else f"{cert.case_timeout:g} s per phase of a check")
+    out = ["## What was certified", "",
+           f"- backend: `{b['name']}` version `{b['version']}`",
+           f"- precision the backend declares: `{cert.precision}`",
+           f"- spec: `{cert.spec}`, profile: `{cert.profile}`, graphs: `{cert.graphs or 'off'}`",
+           f"- case timeout: {timeout}",
+           f"- near-ties: {len(cert.near_ties)}", ""]
+    if cert.configurations:
+        out += ["τ: tokens per verify step, bonus included (plain decoding has none).", "",
+                configurations_table(cert), ""]
+    if cert.near_ties:
+        out += ["Near-ties (the backend diverged where the reference's top-2 margin is below "
+                "the bound for its declared precision; listed, not failed):", ""]
+        out += [f"- `{t['check']}`: {t['near_tie']}" for t in cert.near_ties]
+        out.append("")
+    return out
+
+
+def acceptance_lines(cert: Certificate) -> list[str]:
+    panels = cert.acceptance_panels
+    if not panels:
+        return ["## Acceptance", "", "No accept-length histogram: the golden tier did not run "
+                "(it needs `reference_draft` and `acceptance_stats`, and a speculative spec).",
+                ""]
+    out = ["## Acceptance", "",
+           f"![accept-length histogram, backend vs golden]({ACCEPTANCE_PNG})", "",
+           f"`{ACCEPTANCE_PNG}`: one panel per configuration ("
+           + ", ".join(f"`{p.config}`" for p in panels) + "), left to right; per accept length "
+           "the backend's share of verify steps (blue) beside the golden trace's (orange), "
+           "on the golden tier's prompts.", "",
+           "| configuration | verify steps: backend / golden | share per accept length "
+           "1, 2, ...: backend | golden |", "|---|---|---|---|"]
+    for p in panels:
+        ours, theirs = (" ".join(f"{v:.2f}" for v in shares(h, p.lengths))
+                        for h in (p.backend, p.golden))
+        out.append(f"| `{p.config}` | {sum(p.backend.values())} / {sum(p.golden.values())} | "
+                   f"{ours} | {theirs} |")
+    out.append("")
+    return out
+
+
 def render_markdown(cert: Certificate) -> str:
     b = cert.backend
     out = [f"# specgate certificate: {b['name']} {b['version']}", "",
@@ -159,6 +252,7 @@ def render_markdown(cert: Certificate) -> str:
                 "in it, and it certifies nothing.", ""]
     if cert.vacuous:
         out += [f"**Vacuous run refused:** {cert.vacuous}", ""]
+    out += certified_lines(cert)
     out += ["## Tiers", "", tier_table(cert), "",
             "## Capability × tier", "",
             "Each cell: the status of the checks in that tier that need the capability. "
@@ -179,7 +273,10 @@ def render_markdown(cert: Certificate) -> str:
         out += ["## Failures", ""]
         out += [f"- `{f['check']}`: {f['message']}" for f in failures]
         out.append("")
-    figures = [(c["nodeid"], c["figures"]) for c in cert.checks if c.get("figures")]
+    out += acceptance_lines(cert)
+    figures = [(c["nodeid"], {k: v for k, v in c["figures"].items() if k not in SHOWN_ELSEWHERE})
+               for c in cert.checks if c.get("figures")]
+    figures = [(node, f) for node, f in figures if f]
     if figures:
         out += ["## Figures", ""]
         out += [f"- `{node}`: " + ", ".join(f"{k}={v}" for k, v in sorted(f.items()))
@@ -193,6 +290,9 @@ def write_reports(cert: Certificate, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "report.md").write_text(render_markdown(cert))
     (directory / "report.json").write_text(cert.to_json() + "\n")
+    if cert.acceptance_panels:
+        (directory / ACCEPTANCE_PNG).write_bytes(
+            encode_png(draw_acceptance(cert.acceptance_panels)))
 
 
 def indent_junit(path: Path) -> None:

@@ -17,7 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-REPORT_FILES = frozenset({"report.md", "report.json", "junit.xml", "summary.md"})
+REPORT_FILES = frozenset({"report.md", "report.json", "junit.xml", "summary.md",
+                          "acceptance.png"})
 
 
 class ReportDirError(ValueError):

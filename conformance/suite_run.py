@@ -34,8 +34,10 @@ class SuiteOptions:
     model: str
     draft_model: str | None = None
     graphs: str | None = None         # the backend's graph executor (None: eager)
-    workers: int = 0                  # pytest-xdist workers; 0 or 1 runs in-process
+    workers: int = 0                  # pytest-xdist workers; 0 runs in-process (where no
+    #                                   native watchdog can end a check stuck in native code)
     stop_at_first_failure: bool = False
+    case_timeout: float | None = None  # seconds per phase of a check (None: the profile's)
 
 
 @dataclass
@@ -91,9 +93,11 @@ def suite_args(opts: SuiteOptions, results: Path, junit: Path | None) -> list[st
         args += ["--specgate-graphs", opts.graphs]
     if junit is not None:
         args += ["--junitxml", str(junit)]
+    if opts.case_timeout is not None:
+        args += ["--specgate-case-timeout", str(opts.case_timeout)]
     if opts.stop_at_first_failure:
         args.append("-x")
-    if opts.workers > 1:
+    if opts.workers >= 1:
         args += ["-n", str(opts.workers)]
     return args
 

@@ -9,7 +9,7 @@ from typing import Literal
 import pytest
 
 from conformance.adapter import SamplingParams, SpecConfig
-from conformance.driver import Driver, Outcome, step_budget
+from conformance.driver import Driver, Outcome, backend_call, step_budget
 from conformance.plugin import SuiteContext, context
 from conformance.specs import config_id
 
@@ -28,11 +28,13 @@ def open_driver(sg: SuiteContext, spec: SpecConfig | Literal["first"] | None = "
     """A fresh engine instance of the backend under test. ``spec``: a configuration of the
     spec being certified; by default its first one."""
     chosen = sg.spec.configs[0] if spec == "first" else spec
-    handle = sg.backend.open(sg.open_config(chosen, **limits))
+    with backend_call("backend.open()"):
+        handle = sg.backend.open(sg.open_config(chosen, **limits))
     try:
         yield Driver(handle, sg.caps, overlap=chosen is not None and chosen.overlap)
     finally:
-        handle.close()
+        with backend_call("handle.close()"):
+            handle.close()
 
 
 def greedy(max_new_tokens: int, **kw: object) -> SamplingParams:

@@ -10,6 +10,7 @@ import pytest
 
 from conformance import golden
 from conformance.adapter import SpecConfig
+from conformance.certified import accept_histogram
 from conformance.plugin import SuiteContext
 from conformance.suites.support import greedy, open_driver, parametrize_spec_configs, run_all
 
@@ -41,4 +42,7 @@ def test_acceptance_matches_golden(sg: SuiteContext, spec_config: SpecConfig | N
     record_property("mean_tau", got["mean_tau"])
     record_property("golden_mean_tau", golden.summarize(
         [r.accept_lens for r in chosen], spec_config.num_steps)["mean_tau"])
+    # the certificate's acceptance.png: the backend's histogram beside the trace's, same requests
+    record_property("accept_hist", accept_histogram(o.accept_lens for o in outcomes.values()))
+    record_property("golden_accept_hist", accept_histogram(r.accept_lens for r in chosen))
     assert not problems, f"{len(problems)} golden mismatches: {problems[:5]}"

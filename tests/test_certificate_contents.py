@@ -1,0 +1,107 @@
+"""The certificate says what was certified: backend and version, every configuration's
+parameters, the declared precision, τ per configuration, near-ties, and acceptance.png."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from conformance.certified import accept_histogram, config_of, config_record
+from conformance.report import build_certificate, render_markdown, write_reports
+from conformance.report_dir import ReportDir
+from conformance.specs import SPECS
+from conformance.suite_run import SuiteOptions, suite_args
+
+CONFIGS = [config_record(c) for c in SPECS["eagle"].configs]
+
+
+def check(nodeid: str, tier: str, **figures: object) -> dict[str, object]:
+    return {"nodeid": nodeid, "tier": tier, "requires": "algorithm:eagle", "outcome": "passed",
+            "duration": 0.5, "message": "", "figures": figures}
+
+
+RESULTS = {
+    "backend": {"name": "b", "version": "2.1", "resolved_from": "pkg:b"},
+    "capabilities": {"algorithms": ["eagle"]}, "spec": "eagle", "profile": "gate",
+    "configurations": CONFIGS, "precision": "bfloat16", "case_timeout": 300.0,
+    "vacuous": None, "interrupted": False,
+    "checks": [
+        check("test_lossless.py::test_greedy_matches_reference[chain-s3-n4-batch-1]", "lossless",
+              tau=2.0, near_ties=["r1: index 5 (margin 2e-4)"]),
+        check("test_lossless.py::test_greedy_matches_reference[chain-s3-n4-batch-4]", "lossless",
+              tau=3.0),
+        check("test_lossless.py::test_greedy_matches_reference[chain-s5-n6-batch-1]", "lossless",
+              tau=4.5),
+        check("test_golden.py::test_acceptance_matches_golden[chain-s3-n4]", "golden",
+              mean_tau=2.5, golden_mean_tau=2.6, accept_hist={"1": 3, "2": 1, "4": 4},
+              golden_accept_hist={"1": 2, "2": 2, "4": 4}),
+        check("test_memory.py::test_invariants_under_pressure[1]", "memory", retractions=4),
+    ]}
+
+
+def test_report_json_has_what_was_certified(tmp_path: Path) -> None:
+    write_reports(build_certificate(RESULTS), tmp_path)
+    cert = json.loads((tmp_path / "report.json").read_text())
+    assert cert["backend"]["name"] == "b" and cert["backend"]["version"] == "2.1"
+    assert cert["precision"] == "bfloat16" and cert["case_timeout"] == 300.0
+    first, second = cert["configurations"]
+    assert first["id"] == "chain-s3-n4" and first["parameters"] == {
+        "algorithm": "eagle", "draft_model": "tiny-code-eagle", "num_steps": 3, "topk": 1,
+        "num_draft_tokens": 4, "overlap": False}
+    assert (first["tau"], first["tau_checks"]) == (2.5, 2)
+    assert (first["golden_tau"], first["golden_reference_tau"]) == (2.5, 2.6)
+    assert first["accept_hist"] == {"1": 3, "2": 1, "4": 4}
+    assert (second["tau"], second["golden_tau"], second["accept_hist"]) == (4.5, None, {})
+    assert cert["near_ties"] == [{"check": RESULTS["checks"][0]["nodeid"],
+                                  "near_tie": "r1: index 5 (margin 2e-4)"}]
+
+
+def test_report_md_shows_it_and_acceptance_png_is_beside_it(tmp_path: Path) -> None:
+    write_reports(build_certificate(RESULTS), tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "- backend: `b` version `2.1`" in md
+    assert "- precision the backend declares: `bfloat16`" in md
+    assert "- case timeout: 300 s per phase of a check" in md
+    assert ("| `chain-s3-n4` | eagle | tiny-code-eagle | 3 | 1 | 4 | False | 2.5 (2) | "
+            "2.5 / 2.6 |") in md
+    assert "| `chain-s5-n6` | eagle | tiny-code-eagle | 5 | 1 | 6 | False | 4.5 (1) | — |" in md
+    assert "- near-ties: 1" in md and "r1: index 5 (margin 2e-4)" in md
+    assert "![accept-length histogram, backend vs golden](acceptance.png)" in md
+    assert "| `chain-s3-n4` | 8 / 8 | 0.38 0.12 0.00 0.50 | 0.25 0.25 0.00 0.50 |" in md
+    assert "retractions=4" in md and "accept_hist" not in md  # shown as a chart, not a figure
+    assert (tmp_path / "acceptance.png").read_bytes().startswith(b"\x89PNG")
+    ReportDir(tmp_path).discard()  # a report directory holding acceptance.png is certify's own
+
+
+def test_no_golden_tier_no_chart() -> None:
+    results = {**RESULTS, "checks": RESULTS["checks"][:3]}
+    cert = build_certificate(results)
+    assert not cert.acceptance_panels
+    assert "No accept-length histogram: the golden tier did not run" in render_markdown(cert)
+
+
+def test_a_check_belongs_to_the_configuration_its_id_starts_with() -> None:
+    ids = ["chain-s3-n4", "chain-s3-n4-v2", "tree-s3-k4-n8-v2"]
+    assert config_of("t.py::f[chain-s3-n4-v2-batch-1]", ids) == "chain-s3-n4-v2"
+    assert config_of("t.py::f[chain-s3-n4-1]", ids) == "chain-s3-n4"
+    assert config_of("t.py::f[tree-s3-k4-n8-v2]", ids) == "tree-s3-k4-n8-v2"
+    assert config_of("t.py::f[1]", ids) is None and config_of("t.py::f", ids) is None
+    assert accept_histogram([[1, 4, 4], [2]]) == {"1": 1, "2": 1, "4": 2}
+
+
+def test_the_plugin_records_the_configurations_and_precision(
+        tmp_path: Path, random_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    results = tmp_path / "results.json"
+    opts = SuiteOptions("refengine", "none", "gate", str(random_model_dir))
+    with contextlib.redirect_stdout(io.StringIO()):
+        pytest.main([*suite_args(opts, results, None), "-k", "test_max_new_tokens"])
+    written = json.loads(results.read_text())
+    assert written["configurations"] == [{"id": "plain", "algorithm": "none"}]
+    assert written["precision"] == "float32" and written["case_timeout"] == 300.0
+    md = render_markdown(build_certificate(written))
+    assert "| `plain` | none | — | — | — | — | — | — | — |" in md
