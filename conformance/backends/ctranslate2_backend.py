@@ -180,7 +180,7 @@ class CT2Handle:
 
 class CT2Backend:
     name = NAME
-    version = f"ctranslate2 {ctranslate2.__version__}"
+    version = ctranslate2.__version__
 
     def capabilities(self) -> Capabilities:
         return Capabilities(algorithms=frozenset({"none"}))
