@@ -19,7 +19,7 @@ import pytest
 from conformance.adapter import Event, OpenConfig
 from conformance.backends.refengine import RefEngineBackend, RefEngineHandle
 from conformance.case_timeout import COMPILED_FACTOR, DEFAULT_SECONDS
-from conformance.cli import build_parser
+from conformance.cli import build_parser, main
 from conformance.report import Certificate, build_certificate
 from conformance.suite_run import SuiteOptions, suite_args
 
@@ -126,3 +126,11 @@ def test_the_cli_states_the_default_timeouts() -> None:
     stated = ", ".join(f"{p} {s:g}" for p, s in DEFAULT_SECONDS.items())
     assert f"default by profile: {stated}" in help_text
     assert COMPILED_FACTOR == 4 and "four times that with --graphs compiled" in help_text
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "inf", "nan"])
+def test_a_bad_case_timeout_is_a_usage_error(value: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["certify", "--case-timeout", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("specgate: error:") and "--case-timeout" in err[0]
