@@ -23,11 +23,15 @@ __all__ = [
 ]
 
 ALGORITHMS = frozenset({"none", "eagle", "frozen_kv_mtp", "draft_model"})
+# The arithmetic a backend computes logits in; it sets how close to a tie a greedy choice may be
+# and still legitimately differ from the float32 reference (conformance.oracle.NEAR_TIE_EPSILON).
+PRECISIONS = frozenset({"float32", "bfloat16", "float16"})
 
 
 @dataclass(frozen=True)
 class Capabilities:
     algorithms: frozenset[str] = frozenset({"none"})
+    precision: str = "float32"       # one of PRECISIONS; not a flag
     tree: bool = False
     overlap: bool = False
     sampling: bool = False
@@ -50,6 +54,8 @@ class Capabilities:
         unknown = set(self.algorithms) - ALGORITHMS
         if unknown:
             raise ValueError(f"algorithms: unknown {sorted(unknown)} (known: {sorted(ALGORITHMS)})")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision: unknown {self.precision!r} (known: {sorted(PRECISIONS)})")
 
     def claims(self, name: str) -> bool:
         """``name`` is a flag ("abort") or an algorithm ("algorithm:eagle")."""
@@ -60,11 +66,12 @@ class Capabilities:
         return bool(getattr(self, name))
 
     def as_dict(self) -> dict[str, object]:
-        return {"algorithms": sorted(self.algorithms),
+        return {"algorithms": sorted(self.algorithms), "precision": self.precision,
                 **{n: bool(getattr(self, n)) for n in sorted(FLAG_NAMES)}}
 
 
-FLAG_NAMES = frozenset(f for f in Capabilities.__dataclass_fields__ if f != "algorithms")
+FLAG_NAMES = frozenset(f for f in Capabilities.__dataclass_fields__
+                       if f not in ("algorithms", "precision"))
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from conformance.oracle import top2_margins
 from conformance.prompts import load_prompt_set
 from conformance.specs import config_id
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
@@ -75,8 +76,7 @@ def fragile_from(engine: Engine, prompt_ids: list[int], output_ids: list[int]) -
     if len(output_ids) < 2:
         return None
     logits = engine.prompt_logits(prompt_ids + output_ids[:-1])[len(prompt_ids) - 1:]
-    top2 = logits.topk(2, dim=-1).values
-    close = ((top2[:, 0] - top2[:, 1]) < FRAGILE_MARGIN).nonzero()
+    close = (top2_margins(logits) < FRAGILE_MARGIN).nonzero()
     return int(close[0, 0]) if len(close) else None
 
 

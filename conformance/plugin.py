@@ -55,11 +55,14 @@ class Profile:
     prompt_set: str
     max_new_tokens: int
     batch_sizes: tuple[int, ...]
+    # Context lengths that long requests cross (engines size buffers so); one at or past the
+    # model's context limit becomes a request that ends there.
+    context_boundaries: tuple[int, ...]
 
 
 PROFILES = {
-    "gate": Profile("gate", "small", 32, (1, 8)),
-    "full": Profile("full", "default", 64, (1, 16, 40)),
+    "gate": Profile("gate", "small", 32, (1, 8), (512,)),
+    "full": Profile("full", "default", 64, (1, 16, 40), (512, 1024, 2048)),
 }
 
 
@@ -75,6 +78,7 @@ class SuiteContext:
     model: str = "tiny-code"
     graph_executor: str | None = None  # --specgate-graphs
     _oracle: ReferenceOracle | None = field(default=None, repr=False)
+    _check: pytest.Item | None = field(default=None, repr=False)  # the suite check running now
 
     @property
     def prompts(self) -> tuple[PromptCase, ...]:
@@ -91,6 +95,18 @@ class SuiteContext:
         if self._oracle is None:
             self._oracle = ReferenceOracle(self.model)
         return self._oracle
+
+    def extend_property(self, name: str, entries: list[str]) -> None:
+        """Add ``entries`` to the list property ``name`` of the running check (what pytest's
+        ``record_property`` fixture writes), so helpers shared by the tiers record figures
+        without every check handing the fixture down; calls within one check add up."""
+        assert self._check is not None, "extend_property: no suite check is running"
+        props = self._check.user_properties
+        for i, (key, value) in enumerate(props):
+            if key == name:
+                props[i] = (name, [*value, *entries])
+                return
+        props.append((name, list(entries)))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -191,6 +207,12 @@ def _requirements(item: pytest.Item, spec: SpecChoice) -> list[str]:
     for mark in item.iter_markers("specgate_requires"):
         needs.extend(mark.args)
     return needs
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("specgate_tier"):
+        context(item.config)._check = item
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -30,6 +30,11 @@ def _mtp(steps: int, topk: int, tokens: int, overlap: bool = False) -> SpecConfi
                       topk=topk, num_draft_tokens=tokens, overlap=overlap)
 
 
+def _draft_model(steps: int) -> SpecConfig:
+    return SpecConfig(algorithm="draft_model", draft_model="tiny-code-draft", num_steps=steps,
+                      topk=1, num_draft_tokens=steps + 1)
+
+
 SPECS: dict[str, SpecChoice] = {
     "none": SpecChoice("none", "none", (None,)),
     # The configurations the issue pins: chain (S=3,N=4), (S=5,N=6); tree (S=3,k=4,N=8),
@@ -44,14 +49,19 @@ SPECS: dict[str, SpecChoice] = {
     # Frozen-KV MTP (an assistant that reads the target's KV and keeps none): a chain and a
     # tree at EAGLE's first shapes, so the two compare at equal N.
     "mtp": SpecChoice("mtp", "frozen_kv_mtp", (_mtp(3, 1, 4), _mtp(3, 4, 8)), needs_tree=True),
+    # A standalone draft model (its own small Llama and KV) drafting a chain, at EAGLE's
+    # chain lengths N=4 and N=6.
+    "draft-model": SpecChoice("draft-model", "draft_model", (_draft_model(3), _draft_model(5))),
 }
 
 
 def config_id(config: SpecConfig | None) -> str:
     """A short stable name for a configuration: ``plain``, ``chain-s3-n4``, ``tree-s3-k4-n8``,
-    with ``-v2`` for overlap scheduling."""
+    with ``-v2`` for overlap scheduling; ``draft-n4`` for a draft model's chain of N=4."""
     if config is None:
         return "plain"
+    if config.algorithm == "draft_model":
+        return f"draft-n{config.num_draft_tokens}"
     v2 = "-v2" if config.overlap else ""
     if config.algorithm == "frozen_kv_mtp":
         return "mtp-" + config_id(replace(config, algorithm="eagle"))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 GRAPH_EXECUTORS = ("compiled", "replay")  # EngineConfig.graph_executor's values
+SPEC_ALGORITHMS = ("eagle", "frozen_kv_mtp", "draft_model")  # SpecConfig.algorithm's values
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -84,9 +85,11 @@ class SpecConfig:
 
     ``num_draft_tokens`` counts the tree's nodes including the root (the last verified token);
     a chain (``topk == 1``) therefore needs ``num_draft_tokens == num_steps + 1``.
+    ``algorithm="draft_model"`` (a standalone draft LM, e.g. ``tiny-code-draft``) drafts such a
+    chain of ``num_steps`` tokens and runs sequentially (no overlap scheduling).
     """
 
-    algorithm: Literal["eagle", "frozen_kv_mtp"] = "eagle"
+    algorithm: Literal["eagle", "frozen_kv_mtp", "draft_model"] = "eagle"
     draft_model: str = "tiny-code-eagle"
     num_steps: int = 3
     topk: int = 1
@@ -94,8 +97,8 @@ class SpecConfig:
     overlap: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.algorithm in ("eagle", "frozen_kv_mtp"), "algorithm",
-                 f"must be 'eagle' or 'frozen_kv_mtp', got {self.algorithm!r}")
+        _require(self.algorithm in SPEC_ALGORITHMS, "algorithm",
+                 f"must be one of {', '.join(SPEC_ALGORITHMS)}, got {self.algorithm!r}")
         _require(isinstance(self.draft_model, str) and bool(self.draft_model), "draft_model",
                  f"must be a fixture name or a directory, got {self.draft_model!r}")
         _require(_is_int(self.num_steps) and self.num_steps >= 1, "num_steps",
@@ -115,6 +118,12 @@ class SpecConfig:
                      f"got {self.num_draft_tokens}")
         _require(isinstance(self.overlap, bool), "overlap",
                  f"must be a bool, got {self.overlap!r}")
+        if self.algorithm == "draft_model":
+            _require(self.topk == 1, "topk",
+                     f"draft_model speculation drafts a chain (topk=1), got {self.topk}")
+            _require(not self.overlap, "overlap",
+                     "draft_model speculation runs sequentially; overlap scheduling is "
+                     "not supported")
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,13 @@ from refengine.memory.view import MemoryView, ceil_page
 from refengine.model.eagle import EagleDraftModel
 from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
 from refengine.model.llama import LlamaForCausalLM
+from refengine.model.standalone_draft import StandaloneDraftModel
 from refengine.output import OutputProcessor
 from refengine.request import FinishReason, Req
 from refengine.runner import ModelRunner
 from refengine.sampler import select_tokens
 from refengine.scheduler import ScheduledBatch, Scheduler
+from refengine.spec.draft_model import DraftModelWorker
 from refengine.spec.eagle_v1 import EagleV1Worker
 from refengine.spec.eagle_v2 import EagleV2Worker, reserve_tokens
 from refengine.spec.frozen_kv_mtp import FrozenKVMTPV2Worker, FrozenKVMTPWorker
@@ -43,7 +45,18 @@ from refengine.spec.worker import SpecWorker
 from refengine.step import StepResult
 
 Prompt = str | Sequence[int]
+DraftClass = type[EagleDraftModel] | type[FrozenKVMTPDraftModel] | type[StandaloneDraftModel]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def draft_kv_layers(draft: torch.nn.Module | None) -> int:
+    """Layers of the draft pool beside the target's KV: EAGLE's head and a standalone draft
+    model keep KV of their own; a frozen-KV draft only reads the target's."""
+    if isinstance(draft, EagleDraftModel):
+        return len(draft.layers)
+    if isinstance(draft, StandaloneDraftModel):
+        return draft.kv_layers
+    return 0
 
 
 @dataclass(frozen=True)
@@ -65,9 +78,11 @@ class Engine:
     # (algorithm, overlap scheduling) -> the SpecWorker that runs it
     worker_classes: ClassVar[dict[tuple[str, bool], type[EagleV1Worker]]] = {
         ("eagle", False): EagleV1Worker, ("eagle", True): EagleV2Worker,
-        ("frozen_kv_mtp", False): FrozenKVMTPWorker, ("frozen_kv_mtp", True): FrozenKVMTPV2Worker}
-    draft_classes: ClassVar[dict[str, type[EagleDraftModel] | type[FrozenKVMTPDraftModel]]] = {
-        "eagle": EagleDraftModel, "frozen_kv_mtp": FrozenKVMTPDraftModel}
+        ("frozen_kv_mtp", False): FrozenKVMTPWorker, ("frozen_kv_mtp", True): FrozenKVMTPV2Worker,
+        ("draft_model", False): DraftModelWorker}
+    draft_classes: ClassVar[dict[str, DraftClass]] = {
+        "eagle": EagleDraftModel, "frozen_kv_mtp": FrozenKVMTPDraftModel,
+        "draft_model": StandaloneDraftModel}
     output_class: type[OutputProcessor] = OutputProcessor
 
     def __init__(self, config: EngineConfig) -> None:
@@ -89,8 +104,7 @@ class Engine:
             config.kv_pool_tokens, config.page_size, config.max_running_requests,
             self.max_context_len, (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim),
             _DTYPES[config.dtype], config.device,
-            # EAGLE's head keeps KV of its own beside the target's; a frozen-KV draft keeps none
-            draft_layers=len(draft.layers) if isinstance(draft, EagleDraftModel) else 0,
+            draft_layers=draft_kv_layers(draft),
             row_headroom=0 if spec is None else (
                 1 + reserve_tokens(spec) + config.page_size if spec.overlap
                 else max(spec.topk * spec.num_steps, spec.num_draft_tokens)))

@@ -18,6 +18,7 @@ from refengine.model.attention import AttentionMetadata
 from refengine.model.eagle import EagleDraftModel
 from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
 from refengine.model.llama import ForwardBatch, ForwardOutput, LlamaForCausalLM
+from refengine.model.standalone_draft import StandaloneDraftModel
 from refengine.request import Req
 from refengine.spec.inputs import DraftExtendInput, VerifyInput
 
@@ -28,7 +29,8 @@ class ModelRunner:
     draft_loop = None
 
     def __init__(self, target: LlamaForCausalLM,
-                 draft: EagleDraftModel | FrozenKVMTPDraftModel | None, kv: KVManager) -> None:
+                 draft: EagleDraftModel | FrozenKVMTPDraftModel | StandaloneDraftModel | None,
+                 kv: KVManager) -> None:
         self.target = target
         self.draft = draft
         self.kv = kv
@@ -101,7 +103,12 @@ class ModelRunner:
     def prepare_draft_extend(self, reqs: list[Req], ext: DraftExtendInput, ends: list[int]
                              ) -> ForwardBatch:
         """The head over each request's accepted positions, which end before ``ends[i]``."""
-        lens = ext.accept_lens.tolist()
+        return self.prepare_tail(reqs, ext.input_ids, ext.accept_lens.tolist(), ends)
+
+    def prepare_tail(self, reqs: list[Req], ids: torch.Tensor, lens: list[int],
+                     ends: list[int]) -> ForwardBatch:
+        """Request i's ``lens[i]`` positions ending before ``ends[i]`` (their slots already in
+        its row; ``ids`` flat, in request order); logits at each request's last position."""
         rows = [r.row for r in reqs]
         positions = torch.tensor([p for e, n in zip(ends, lens, strict=True)
                                   for p in range(e - n, e)])
@@ -109,13 +116,20 @@ class ModelRunner:
                                                  for _ in range(n)]), positions]
         last = torch.tensor([end - 1 for end in itertools.accumulate(lens)])
         meta = self.attention_metadata(torch.tensor(rows), lens, ends)
-        return ForwardBatch(ext.input_ids, positions, slots, meta, last)
+        return ForwardBatch(ids, positions, slots, meta, last)
 
     def forward_draft(self, batch: ForwardBatch, features: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (logits of the wanted rows, the head's predicted features)."""
         assert isinstance(self.draft, EagleDraftModel) and self.kv.draft_kv is not None
         return self.draft(batch, features, self.kv.draft_kv)
+
+    def forward_draft_model(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A standalone draft model over ``batch``, writing its own KV -> (logits of the
+        wanted rows, its final-norm features at them)."""
+        assert isinstance(self.draft, StandaloneDraftModel) and self.kv.draft_kv is not None
+        out = self.draft(batch, self.kv.draft_kv)
+        return out.logits, batch.wanted(out.features)
 
     # --- a frozen-KV draft (it reads the target's KV and writes none) --------------------------
 

@@ -42,6 +42,7 @@ from refengine.output import OutputProcessor
 from refengine.request import FinishReason, Req
 from refengine.runner import ModelRunner
 from refengine.scheduler import Scheduler
+from refengine.spec.draft_model import DraftModelWorker
 from refengine.spec.draft_state import DraftState
 from refengine.spec.eagle_v1 import EagleV1Worker
 from refengine.spec.frozen_kv_mtp import FrozenKVMTPWorker
@@ -245,6 +246,10 @@ class _MTPResidualIsP(_ResidualIsP, FrozenKVMTPWorker):
     """The same biased residual over Frozen-KV MTP's draft (the verify path is shared)."""
 
 
+class _DraftModelResidualIsP(_ResidualIsP, DraftModelWorker):
+    """The same biased residual over a standalone draft model's chain."""
+
+
 def verified_draft_trees(handle: object) -> dict[tuple[int, ...], Counter[DraftTree]]:
     """The draft trees a ``biased_verify_sampler`` handle verified, per root sequence: what the
     distribution tier needs to derive this negative control's exact output law. Asked of the
@@ -263,8 +268,8 @@ class BiasedVerifySampler(Engine):
     reproducible; only the distribution of sampled tokens is wrong. Plain decoding (no
     speculation) is exactly the reference engine's."""
 
-    worker_classes = with_worker("frozen_kv_mtp", _MTPResidualIsP,
-                                 with_worker("eagle", _ResidualIsP))
+    worker_classes = with_worker("draft_model", _DraftModelResidualIsP, with_worker(
+        "frozen_kv_mtp", _MTPResidualIsP, with_worker("eagle", _ResidualIsP)))
 
 
 # --- speculative decoding (EAGLE V1) -------------------------------------------------------------

@@ -63,7 +63,8 @@ class RefEngineBackend:
     engine_class: type[Engine] = Engine  # the bug zoo swaps in mutant subclasses
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(algorithms=frozenset({"none", "eagle", "frozen_kv_mtp"}), tree=True,
+        return Capabilities(algorithms=frozenset({"none", "eagle", "frozen_kv_mtp",
+                                                  "draft_model"}), tree=True,
                             sampling=True, seeded_sampling=True,
                             stepwise=True, abort=True, memory_view=True, acceptance_stats=True,
                             reference_draft=True, worker_hooks=True, forced_retract=True,

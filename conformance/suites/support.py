@@ -4,14 +4,74 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 from typing import Literal
 
 import pytest
 
 from conformance.adapter import SamplingParams, SpecConfig
 from conformance.driver import Driver, Outcome, backend_call, step_budget
+from conformance.oracle import NEAR_TIE_EPSILON
 from conformance.plugin import SuiteContext, context
+from conformance.prompts import long_prompt
 from conformance.specs import config_id
+from refengine.data import resolve_model_dir
+from refengine.model.loader import load_config
+
+
+# Page size 4 only where there are pages to size: backends that claim a paged pool
+# (memory_view); any other backend runs the page-size-1 case once.
+PAGE_SIZES = [1, pytest.param(4, marks=pytest.mark.specgate_requires("memory_view"))]
+
+BOUNDARY_LEAD = 24      # a long request's context runs this many tokens either side of a boundary
+LONG_PREFILL_CHUNK = 96  # max_prefill_tokens for long requests: some chunk straddles each boundary
+
+
+@cache
+def context_limit(model: str) -> int:
+    """The model's maximum positions: no request's prompt + output may exceed them."""
+    return load_config(resolve_model_dir(model)).max_position_embeddings
+
+
+def parametrize_context_boundaries(metafunc: pytest.Metafunc) -> None:
+    """For a suite module's ``pytest_generate_tests``: one case per context length of the
+    profile (``boundary`` argument) the model can reach; those at or past its context limit
+    collapse into one case at the limit."""
+    if "boundary" in metafunc.fixturenames:
+        sg = context(metafunc.config)
+        limit = context_limit(sg.model)
+        lengths = sorted({min(b, limit) for b in sg.profile.context_boundaries})
+        metafunc.parametrize("boundary", lengths, ids=[f"ctx{n}" for n in lengths])
+
+
+def long_context_requests(sg: SuiteContext, boundary: int
+                          ) -> dict[str, tuple[list[int], SamplingParams]]:
+    """Requests whose context crosses ``boundary`` tokens: one while decoding (speculation
+    across it), one inside its prompt (a prefill chunk across it). At the model's context limit
+    instead one request whose prompt ends ``BOUNDARY_LEAD`` short of it and that asks for twice
+    that: it must end there, by length. Prompts are the bundled prompts laid end to end."""
+    limit = context_limit(sg.model)
+    if boundary >= limit:
+        return {f"to-limit-{limit}": (list(long_prompt(limit - BOUNDARY_LEAD, model=sg.model)),
+                                      greedy(2 * BOUNDARY_LEAD))}
+    return {f"decode-across-{boundary}": (
+                list(long_prompt(boundary - BOUNDARY_LEAD, model=sg.model)),
+                greedy(2 * BOUNDARY_LEAD)),
+            f"prefill-across-{boundary}": (
+                list(long_prompt(boundary + BOUNDARY_LEAD, offset=boundary, model=sg.model)),
+                greedy(BOUNDARY_LEAD))}
+
+
+def assert_length_limited(sg: SuiteContext, outcomes: dict[str, Outcome],
+                          requests: dict[str, tuple[list[int], SamplingParams]]) -> None:
+    """Every request ends by length: at ``max_new_tokens``, or sooner at the context limit."""
+    limit = context_limit(sg.model)
+    for rid, (prompt, params) in requests.items():
+        got = outcomes[rid]
+        room = min(params.max_new_tokens, limit - len(prompt))
+        assert (got.reason, len(got.output_ids)) == ("length", room), (
+            f"{rid} ({len(prompt)}-token prompt, context limit {limit}): ended by "
+            f"{got.reason!r} after {len(got.output_ids)} tokens, expected 'length' after {room}")
 
 
 def parametrize_spec_configs(metafunc: pytest.Metafunc) -> None:
@@ -50,20 +110,21 @@ def run_all(driver: Driver, requests: dict[str, tuple[list[int], SamplingParams]
     return driver.run(step_budget(list(requests.values())))
 
 
-def first_divergence(got: list[int], want: list[int]) -> str:
-    """Where two token sequences first differ, for a failure message."""
-    for i, (g, w) in enumerate(zip(got, want, strict=False)):
-        if g != w:
-            return f"first divergence at output index {i}: got {g}, expected {w}"
-    return f"lengths differ: got {len(got)} tokens, expected {len(want)}"
-
-
 def assert_matches_oracle(sg: SuiteContext, outcomes: dict[str, Outcome],
                           requests: dict[str, tuple[list[int], SamplingParams]]) -> None:
-    bad = []
+    """Every output equals the reference's greedy output, token for token, up to its first
+    difference; a difference at a near-tie for the backend's declared precision
+    (``conformance.oracle``) is listed in the check's ``near_ties`` property as
+    ``<rid>@<output index> margin=<reference top-2 margin>`` and ends that request's
+    comparison (its continuation legitimately differs); any other difference fails."""
+    epsilon = NEAR_TIE_EPSILON[sg.caps.precision]
+    bad, ties = [], []
     for rid, (prompt, params) in requests.items():
-        want = sg.oracle.greedy(tuple(prompt), params)
-        got = outcomes[rid].output_ids
-        if got != want:
-            bad.append(f"{rid}: {first_divergence(got, want)}")
+        found = sg.oracle.divergence(tuple(prompt), params, outcomes[rid].output_ids, epsilon)
+        if found is not None and found.near_tie:
+            ties.append(f"{rid}@{found.index} margin={found.margin:.3g}")
+        elif found is not None:
+            bad.append(f"{rid}: {found.describe()}")
+    if ties:
+        sg.extend_property("near_ties", ties)
     assert not bad, f"{len(bad)}/{len(requests)} outputs differ from the reference: {bad[:5]}"

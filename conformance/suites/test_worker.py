@@ -5,7 +5,9 @@ each verify accepts, so the edges happen on demand: every request finishing insi
 (all-finish-in-verify), an idle draft state merged with a new prefill, a batch filtered to
 zero rows. Kinds and shapes: the state between steps is EAGLE's DraftInput ``[b, k]``/
 ``[b, H]`` or Frozen-KV MTP's SeedInput ``[b]``/``[b, H]`` (a draft that keeps no KV carries
-only the root token and the target's feature), VerifyInput ``[b, N]``, DraftExtendInput ragged
+only the root token and the target's feature) or a standalone draft model's CatchUpInput
+``[b]``/``[b]`` (the root and how many positions its draft KV lacks), VerifyInput ``[b, N]``,
+DraftExtendInput ragged
 ``[sum(accepted + 1), H]``.
 """
 
@@ -29,24 +31,32 @@ def _spec(sg: SuiteContext) -> SpecConfig:
     return config
 
 
-STATE_KINDS = {"eagle": "DraftInput", "frozen_kv_mtp": "SeedInput"}
+STATE_KINDS = {"eagle": "DraftInput", "frozen_kv_mtp": "SeedInput",
+               "draft_model": "CatchUpInput"}
 
 
-def _check_draft_input(rec: PhaseRecord, rows: int, spec: SpecConfig, hidden: int) -> None:
+def _check_draft_input(rec: PhaseRecord, rows: int, spec: SpecConfig, hidden: int | None
+                       ) -> None:
     """The per-request state left between steps, with ``rows`` rows."""
     assert rec.kind == STATE_KINDS[spec.algorithm], rec
     if spec.algorithm == "frozen_kv_mtp":
         assert rec.shapes == {"bonus_tokens": (rows,), "hidden_states": (rows, hidden)}, rec
         assert rec.dtypes["bonus_tokens"] == "int64", rec
         return
+    if spec.algorithm == "draft_model":  # the root and the positions its draft KV lacks
+        assert rec.shapes == {"verified_id": (rows,), "behind": (rows,)}, rec
+        assert set(rec.dtypes.values()) == {"int64"}, rec
+        return
     assert rec.shapes == {"topk_p": (rows, spec.topk), "topk_index": (rows, spec.topk),
                           "hidden_states": (rows, hidden), "verified_id": (rows,)}, rec
     assert rec.dtypes["topk_p"] == "float32" and rec.dtypes["topk_index"] == "int64", rec
 
 
-def _hidden(trace: list[PhaseRecord]) -> int:
-    return next(r.shapes["hidden_states"][1] for r in trace if r.kind in STATE_KINDS.values()
-                and r.shapes["hidden_states"][0] > 0)
+def _hidden(trace: list[PhaseRecord]) -> int | None:
+    """The target's width, from any phase that carries features; None if none did (a
+    standalone draft model's state carries none)."""
+    return next((r.shapes["hidden_states"][1] for r in trace
+                 if r.shapes.get("hidden_states", (0,))[0] > 0), None)
 
 
 def test_phase_kinds_and_shapes(sg: SuiteContext) -> None:

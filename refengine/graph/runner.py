@@ -53,6 +53,7 @@ from refengine.graph.staging import (
     static_attention,
 )
 from refengine.model.eagle import EagleDraftModel
+from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
 from refengine.model.llama import ForwardBatch, ForwardOutput
 from refengine.request import Req
 from refengine.runner import ModelRunner
@@ -110,7 +111,8 @@ class GraphRunner:
         # is (topk, num_steps). Its executor is the target's ("replay" or "compiled").
         self.draft_loop: DraftLoopGraph | None = None
         draft = runner.draft
-        if draft_steps is not None and draft is not None:
+        # A standalone draft model drafts forward by forward (no loop graph of its kind).
+        if draft_steps is not None and isinstance(draft, (EagleDraftModel, FrozenKVMTPDraftModel)):
             pool = runner.kv.draft_kv if isinstance(draft, EagleDraftModel) else runner.kv.kv
             assert pool is not None, "an EAGLE head keeps draft KV"
             self.draft_loop = self.draft_loop_class(

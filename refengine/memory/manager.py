@@ -90,6 +90,15 @@ class KVManager:
         req.kv_allocated_len = end
         return slots
 
+    def block_slots(self, reqs: list[Req], starts: list[int], tokens: int) -> torch.Tensor:
+        """``[len(reqs), tokens]``: the slots of positions ``starts[i] ..`` of each request,
+        which it already holds (a verify block allocated or reserved before its step)."""
+        if not reqs:
+            return torch.empty((0, tokens), dtype=torch.int64)
+        rows = torch.tensor([r.row for r in reqs])
+        positions = torch.tensor(starts)[:, None] + torch.arange(tokens)
+        return self.rows.table[rows[:, None], positions]
+
     @contextmanager
     def scratch(self, reqs: list[Req], new_tokens: int) -> Iterator[torch.Tensor]:
         """Reserve ``new_tokens`` positions past each request's allocation for the duration of

@@ -1,5 +1,6 @@
 """DraftState: the running batch's per-request draft state (EAGLE's ``DraftInput``, Frozen-KV
-MTP's ``SeedInput``) and which request each row belongs to.
+MTP's ``SeedInput``, a standalone draft model's ``CatchUpInput``) and which request each row
+belongs to.
 
 Rows follow the batch: ``aligned`` filters them to the requests about to decode (in that
 order), ``drop`` removes a request that finished, aborted or was retracted, ``add`` merges the
@@ -12,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from refengine.spec.inputs import DraftInput, SeedInput
+from refengine.spec.inputs import CatchUpInput, DraftInput, SeedInput
 
-RowState = DraftInput | SeedInput  # what a worker keeps per request between steps
+RowState = DraftInput | SeedInput | CatchUpInput  # what a worker keeps per request between steps
 
 
 class DraftState:

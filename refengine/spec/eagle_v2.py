@@ -96,11 +96,7 @@ class EagleV2Worker(EagleV1Worker):
         if short:
             raise RuntimeError(f"requests {short} have no reservation for {tokens} positions "
                                "past their root: prepare_for_decode did not run")
-        if not reqs:
-            return torch.empty((0, tokens), dtype=torch.int64)
-        rows = torch.tensor([r.row for r in reqs])
-        positions = torch.tensor(roots)[:, None] + torch.arange(tokens)
-        return self.kv.rows.table[rows[:, None], positions]
+        return self.kv.block_slots(reqs, roots, tokens)
 
     @contextmanager
     def scratch(self, reqs: list[Req], tokens: int) -> Iterator[torch.Tensor]:

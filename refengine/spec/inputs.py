@@ -9,6 +9,7 @@ Shapes (``b`` requests, ``k`` = topk, ``N`` = num_draft_tokens incl. the root, `
   ``verified_id [b] int64`` (the root: the newest emitted token, whose KV is not yet written).
   It follows the batch through ``filter_batch`` (finish, abort, retract) and ``merge_batch``
   (newly prefilled requests); every per-request tensor is filtered and merged together.
+  Frozen-KV MTP keeps a ``SeedInput`` instead, a standalone draft model a ``CatchUpInput``.
 * ``VerifyInput`` — lives inside one step only, so it has no filter/merge (bug class
   all-finish-in-verify: a leftover VerifyInput on the batch crashed the next merge):
   ``draft_tokens [b, N]`` (node 0 = root),
@@ -86,6 +87,22 @@ class SeedInput(_PerRequestRows):
     @classmethod
     def idle(cls, hidden_size: int, dtype: torch.dtype) -> SeedInput:
         return cls(torch.empty((0,), dtype=torch.int64), torch.empty((0, hidden_size), dtype=dtype))
+
+
+@dataclass
+class CatchUpInput(_PerRequestRows):
+    """Draft-model speculation's state between steps: per request the root token
+    (``verified_id [b] int64``) and ``behind [b] int64``, how many committed positions just
+    before the root still lack the draft's KV (1 after a step that accepted the whole chain:
+    the draft never ran its last token). The next step's first draft forward runs those
+    positions together with the root; a standalone draft carries nothing else."""
+
+    verified_id: torch.Tensor
+    behind: torch.Tensor
+
+    @classmethod
+    def idle(cls) -> CatchUpInput:
+        return cls(torch.empty((0,), dtype=torch.int64), torch.empty((0,), dtype=torch.int64))
 
 
 @dataclass
