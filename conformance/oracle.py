@@ -1,17 +1,65 @@
-"""The reference oracle: the reference engine's plain greedy output, one request at a time, and
-the exact (float64) distribution a sampled request draws its next token from.
+"""The reference oracle: the reference engine's plain greedy output, one request at a time, the
+exact (float64) distribution a sampled request draws its next token from, and the judgment of
+where a backend's greedy output first differs from the reference's.
 
 Whatever backend is under test (a mutant of the reference engine included), expected outputs
 come from an unmodified ``refengine.Engine`` with plain decoding, so a broken backend can never
 vouch for itself.
+
+Near-ties. A backend computing in another precision (or merely another order of float32 sums)
+may pick the other token where the reference's top two logits are closer than its rounding
+noise. A first divergence is a *near-tie* when the backend's token is within the ``epsilon`` of
+its declared precision of the reference's top logit, at that very prefix (the outputs agree up
+to it); anywhere else it is a failure. Past a near-tie nothing of that request can be compared:
+the backend continues a different prefix.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from refengine import Engine, EngineConfig, SamplingParams
 from refengine.sampler import sampling_probs
+
+# Logits (float32 reference units). Each is about twice the largest change of a top-5 logit gap
+# the reference itself shows in that precision (docs/decisions.md, "Near-ties").
+NEAR_TIE_EPSILON: dict[str, float] = {"float32": 1e-4, "float16": 0.1, "bfloat16": 1.0}
+
+
+def top2_margins(logits: torch.Tensor) -> torch.Tensor:
+    """Per row of ``[..., vocab]`` logits: the top logit minus the second, how close the greedy
+    choice is to a tie."""
+    top2 = logits.topk(2, dim=-1).values
+    return top2[..., 0] - top2[..., 1]
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a backend's greedy output first differs from the reference's."""
+
+    index: int                # output index of the first difference
+    got: int | None           # the backend's token there (None: its output ended)
+    want: int | None          # the reference's token there (None: its output ended)
+    margin: float | None      # the reference's top-2 logit margin there (None: a length)
+    gap: float | None         # reference logit of ``want`` minus that of ``got``
+    epsilon: float
+
+    @property
+    def near_tie(self) -> bool:
+        return self.gap is not None and self.gap < self.epsilon
+
+    def describe(self) -> str:
+        if self.got is None:
+            return (f"got {self.index} tokens, expected more: the reference continues with "
+                    f"{self.want}")
+        if self.want is None:
+            return (f"expected {self.index} tokens, got more: the backend continues with "
+                    f"{self.got}")
+        return (f"first divergence at output index {self.index}: got {self.got}, expected "
+                f"{self.want}; reference top-2 margin {self.margin:.3g}, token {self.got} "
+                f"{self.gap:.3g} below the top (near-tie epsilon {self.epsilon:g})")
 
 
 class ReferenceOracle:
@@ -28,6 +76,27 @@ class ReferenceOracle:
         if key not in self._cache:
             self._cache[key] = self.engine.generate([list(prompt_ids)], params)[0].output_ids
         return self._cache[key]
+
+    def divergence(self, prompt_ids: tuple[int, ...], params: SamplingParams, got: list[int],
+                   epsilon: float) -> Divergence | None:
+        """The first difference of ``got`` from the reference's greedy output, if any, with the
+        reference's logits at that prefix (scored only when the outputs differ)."""
+        want = self.greedy(prompt_ids, params)
+        index = next((i for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w),
+                     None)
+        if index is None:
+            if len(got) == len(want):
+                return None
+            shorter = min(len(got), len(want))
+            return Divergence(shorter, got[shorter] if len(got) > shorter else None,
+                              want[shorter] if len(want) > shorter else None, None, None,
+                              epsilon)
+        logits = self.engine.next_token_logits(list(prompt_ids) + want[:index])
+        vocab = logits.shape[-1]
+        gap = (float(logits[want[index]] - logits[got[index]]) if 0 <= got[index] < vocab
+               else float("inf"))
+        return Divergence(index, got[index], want[index], float(top2_margins(logits)), gap,
+                          epsilon)
 
     def decode(self, ids: list[int]) -> str:
         """The fixture tokenizer's text for ``ids`` (what a backend's finish text is cut from)."""

@@ -30,3 +30,19 @@ def load_prompt_set(name: str, model: str = "tiny-code") -> tuple[PromptCase, ..
         row = json.loads(line)
         cases.append(PromptCase(row["id"], row["text"], tuple(tok.encode(row["text"]).ids)))
     return tuple(cases)
+
+
+LONG_PROMPT_SOURCE = "default"
+
+
+@cache
+def _prompt_stream(model: str) -> tuple[int, ...]:
+    """Every prompt of the source set, tokenized one by one and concatenated in file order."""
+    return tuple(t for case in load_prompt_set(LONG_PROMPT_SOURCE, model) for t in case.ids)
+
+
+def long_prompt(length: int, offset: int = 0, model: str = "tiny-code") -> tuple[int, ...]:
+    """``length`` tokens of the bundled prompts laid end to end, from token ``offset`` on
+    (wrapping around): long contexts built deterministically from held-out code."""
+    stream = _prompt_stream(model)
+    return tuple(stream[(offset + i) % len(stream)] for i in range(length))

@@ -18,7 +18,6 @@ from conformance.specs import config_id
 from refengine.data import resolve_model_dir
 from refengine.model.loader import load_config
 
-
 # Page size 4 only where there are pages to size: backends that claim a paged pool
 # (memory_view); any other backend runs the page-size-1 case once.
 PAGE_SIZES = [1, pytest.param(4, marks=pytest.mark.specgate_requires("memory_view"))]

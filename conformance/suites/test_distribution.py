@@ -60,8 +60,10 @@ from conformance.driver import Driver
 from conformance.plugin import SuiteContext
 from conformance.specs import SPECS
 
+# Both checks submit every request, then only step to the end (nothing acts between steps):
+# run-to-completion backends are certified too.
 pytestmark = [pytest.mark.specgate_tier("distribution"),
-              pytest.mark.specgate_requires("sampling", "stepwise")]
+              pytest.mark.specgate_requires("sampling")]
 
 SAMPLES = 1536            # requests per run (the backend under test; the negative control)
 BATCH = 512               # max_running_requests: large batches keep the run within budget
@@ -149,7 +151,8 @@ def law(sg: SuiteContext) -> JointLaw:
 
 def test_sampled_tokens_follow_target_distribution(sg: SuiteContext, law: JointLaw,
                                                    record_property: RecordProperty) -> None:
-    """The backend's first three sampled tokens follow the target's exact joint law."""
+    """The backend's first three sampled tokens follow the target's exact joint law.
+    Requires: sampling."""
     run = sample(sg.backend, sg, sg.spec.configs[0], law.prompt)
     result = check(law, run)
     _figures(record_property, "", law, run, result)
@@ -223,7 +226,8 @@ def control_spec(sg: SuiteContext, request: pytest.FixtureRequest) -> SpecConfig
 def test_negative_control_is_rejected(sg: SuiteContext, law: JointLaw,
                                       record_property: RecordProperty,
                                       request: pytest.FixtureRequest) -> None:
-    """The same procedure must reject a subtly biased verifier, with power >= MIN_POWER."""
+    """The same procedure must reject a subtly biased verifier, with power >= MIN_POWER.
+    Requires: sampling (the control itself is the reference engine's mutant)."""
     spec = control_spec(sg, request)
     trees: Trees = {}
 

@@ -16,7 +16,7 @@ import pytest
 
 from conformance.driver import Driver
 from conformance.plugin import SuiteContext
-from conformance.suites.support import first_divergence, greedy, open_driver
+from conformance.suites.support import assert_matches_oracle, greedy, open_driver
 
 pytestmark = [pytest.mark.specgate_tier("sessions"),
               pytest.mark.specgate_requires("stepwise", "sessions")]
@@ -115,12 +115,9 @@ def test_session_turns(sg: SuiteContext, page_size: int, abort: bool, retract_ev
     assert not abort or driver.outcomes[victim].reason == "abort", (
         f"{victim} finished as {driver.outcomes[victim].reason!r}, not aborted")
     turns = {t.rid: t for session_turns in script.values() for t in session_turns}
-    bad = []
-    for rid, outcome in driver.outcomes.items():
-        got, prompt = outcome.output_ids, driver.turns[rid][1]
-        # An aborted turn is checked on what it streamed before the abort.
-        n = len(got) if outcome.reason == "abort" else turns[rid].max_new_tokens
-        want = sg.oracle.greedy(tuple(prompt), greedy(n))
-        if got != want:
-            bad.append(f"{rid} ({len(prompt)}-token context): {first_divergence(got, want)}")
-    assert not bad, f"{len(bad)} session turns differ from the reference: {bad[:4]}"
+    # Each turn against a fresh request over its whole context; an aborted turn is checked on
+    # what it streamed before the abort.
+    assert_matches_oracle(sg, driver.outcomes, {
+        rid: (driver.turns[rid][1], greedy(len(outcome.output_ids) if outcome.reason == "abort"
+                                           else turns[rid].max_new_tokens))
+        for rid, outcome in driver.outcomes.items()})
