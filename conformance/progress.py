@@ -129,8 +129,8 @@ class TierProgress:
             return
         if report.failed:
             self.failed[tier].add(report.nodeid)
-        if report.when != "teardown":
-            return
+        if report.when in ("setup", "call"):
+            return  # a check ends at its teardown, or at xdist's report that its worker died
         self.done[tier] += 1
         failed = len(self.failed[tier])
         self.bars.update(self.tasks[tier], advance=1,

@@ -72,3 +72,13 @@ def test_tier_progress_counts_checks_and_failures_per_tier() -> None:
     assert "3 checks in 2 tiers: lossless 1, memory 2" in out
     assert "memory: 2/2 checks, 1 failed" in out  # a check failing twice counts once
     assert "lossless:" not in out.split("tiers:")[1].split("\n", 1)[1]  # not finished
+
+
+def test_a_check_whose_worker_died_is_done() -> None:
+    console, buffer = plain_console()
+    progress = TierProgress(console)
+    progress.pytest_xdist_node_collection_finished(None, ["test_lossless.py::c"])
+    progress.pytest_runtest_logreport(_report("test_lossless.py::c", "setup", "passed"))
+    progress.pytest_runtest_logreport(_report("test_lossless.py::c", "???", "failed"))  # xdist's
+    progress.pytest_sessionfinish()
+    assert "lossless: 1/1 checks, 1 failed" in buffer.getvalue()
