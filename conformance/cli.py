@@ -412,8 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "against a backend and write report.md, report.json and "
                              "junit.xml")
     certify.add_argument("--backend", default=os.environ.get("SPECGATE_BACKEND", "refengine"),
-                         help="entry-point name (refengine, hf), mutant:NAME or module:factory; "
-                              "the default comes from $SPECGATE_BACKEND if set")
+                         help="entry-point name (refengine, hf, ctranslate2), mutant:NAME or "
+                              "module:factory; the default comes from $SPECGATE_BACKEND if set")
     certify.add_argument("--spec", default="none",
                          help=f"{' | '.join(SPECS)} | all (one certificate per spec)")
     certify.add_argument("--profile", default="gate", choices=["gate", "full"],

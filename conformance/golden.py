@@ -118,26 +118,61 @@ def load(config: SpecConfig, prompt_set: str) -> GoldenTrace:
     return GoldenTrace.from_json(path.read_text())
 
 
+def comparable_steps(accept_lens: list[int], upto: int) -> int:
+    """How many leading verify steps emit only output indices before ``upto`` (index 0 comes
+    from prefill, verify step j emits the ``accept_lens[j]`` indices after the previous
+    ones): up to there acceptance is determined by tokens both runs must agree on."""
+    end, steps = 1, 0
+    for n in accept_lens:
+        end += n
+        if end > upto:
+            break
+        steps += 1
+    return steps
+
+
 def compare(golden: GoldenTrace, outputs: dict[str, list[int]],
             accept_lens: dict[str, list[int]], num_steps: int) -> list[str]:
-    """Tolerant comparison for another backend: outputs exact up to each request's first
-    fragile position; mean tau within ``TAU_RTOL`` of the golden mean. Returns problems."""
+    """Per request: the output exact up to its first fragile position, and its accept length
+    at every verify step before that position exact too (a draft that got worse at one
+    position shows here even when the mean hides it); over all requests: mean tau within
+    ``TAU_RTOL`` of the golden mean. A run may stop before the trace's length (``outputs``
+    shorter): everything is compared over the tokens it produced. Returns problems."""
     problems = []
+    tau_got: list[list[int]] = []
+    tau_want: list[list[int]] = []
     for req in golden.requests:
         if req.id not in outputs:
             continue
-        upto = len(req.output_ids) if req.fragile_from is None else req.fragile_from
+        produced = len(outputs[req.id])
+        upto = min(produced, len(req.output_ids) if req.fragile_from is None
+                   else req.fragile_from)
         got, want = outputs[req.id][:upto], req.output_ids[:upto]
+        # Mean tau over the verify steps both runs completed inside the produced tokens.
+        lens = accept_lens.get(req.id, [])
+        span = min(comparable_steps(req.accept_lens, produced), comparable_steps(lens, produced))
+        tau_got.append(lens[:span])
+        tau_want.append(req.accept_lens[:span])
         if got != want:
             mismatch = [i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b]
             first = mismatch[0] if mismatch else min(len(got), len(want))
             problems.append(f"{req.id}: output differs from golden at index {first} "
                             f"(before its first fragile position {upto})")
-    ran = [req for req in golden.requests if req.id in accept_lens]
-    want = summarize([r.accept_lens for r in ran], num_steps)["mean_tau"]
-    got = summarize([accept_lens[r.id] for r in ran], num_steps)["mean_tau"]
-    if want is not None and (got is None or abs(got - want) > TAU_RTOL * want):
-        problems.append(f"mean tau {got} is outside {TAU_RTOL:.0%} of the golden {want}")
+            continue
+        steps = comparable_steps(req.accept_lens, upto)
+        got_lens, want_lens = lens[:steps], req.accept_lens[:steps]
+        if got_lens != want_lens:
+            step = next((j for j, (a, b) in enumerate(zip(got_lens, want_lens, strict=False))
+                         if a != b), min(len(got_lens), len(want_lens)))
+            problems.append(
+                f"{req.id}: verify step {step} accepted "
+                f"{got_lens[step] if step < len(got_lens) else None} tokens, golden "
+                f"{want_lens[step] if step < len(want_lens) else None} (steps compared "
+                f"exactly: {steps}, before output index {upto})")
+    want_tau = summarize(tau_want, num_steps)["mean_tau"]
+    got_tau = summarize(tau_got, num_steps)["mean_tau"]
+    if want_tau is not None and (got_tau is None or abs(got_tau - want_tau) > TAU_RTOL * want_tau):
+        problems.append(f"mean tau {got_tau} is outside {TAU_RTOL:.0%} of the golden {want_tau}")
     return problems
 
 

@@ -112,8 +112,8 @@ class SuiteContext:
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("specgate", "specgate conformance suite")
     group.addoption("--specgate-backend", default=None,
-                    help="backend under test: an entry-point name (refengine, hf) or "
-                         "module:factory; default $SPECGATE_BACKEND or refengine")
+                    help="backend under test: an entry-point name (refengine, hf, "
+                         "ctranslate2) or module:factory; default $SPECGATE_BACKEND or refengine")
     group.addoption("--specgate-spec", default="none",
                     help="speculative configuration to certify (none, all)")
     group.addoption("--specgate-profile", default="gate", choices=sorted(PROFILES),
