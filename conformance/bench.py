@@ -5,7 +5,8 @@ has finished), in the same process and on the same prompts, so the numbers compa
 rather than the harnesses.
 
 ``--spec none`` compares backends on plain decoding. ``--spec eagle|eagle-tree`` compares the
-first backend's plain decoding with each configuration of that spec, side by side: tokens/s,
+first backend's plain decoding with each configuration of that spec (and any further backend's
+plain decoding, e.g. a C++ engine as the yardstick), side by side: tokens/s,
 speedup, tau (tokens per verify, bonus included), per-position acceptance and — for the
 reference engine — where the time goes (schedule / prefill / draft / verify / extend).
 
@@ -134,7 +135,7 @@ def lanes_for(spec: str, backends: list[str]) -> list[Lane]:
         if twin is not None:
             lanes.append(Lane(config_id(twin), backends[0], twin))
         lanes.append(Lane(config_id(c), backends[0], c))
-    return lanes
+    return lanes + [Lane(b, b, None) for b in backends[1:]]
 
 
 def twin_of(config: SpecConfig) -> SpecConfig | None:

@@ -465,7 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="tokens/s of backends side by side, with ratios")
     bench.add_argument("--backends", default=None,
                        help="comma-separated (unset: refengine,hf for --spec none; refengine "
-                            "otherwise, compared with its own plain decoding)")
+                            "otherwise, compared with its own plain decoding; with a spec, "
+                            "further backends decode plainly beside it)")
     bench.add_argument("--spec", default="none",
                        help=f"{' | '.join(SPECS)}; eagle-v2 runs beside its V1 twins, mtp "
                             "beside EAGLE at equal N")

@@ -142,6 +142,15 @@ def test_overlap_lanes_sit_beside_their_sequential_twins() -> None:
     assert [ln.spec.overlap for ln in lanes[1:] if ln.spec] == [False, True, False, True]
 
 
+def test_further_backends_add_plain_lanes_beside_a_spec() -> None:
+    """A yardstick engine (e.g. a C++ one) decodes plainly beside the first backend's spec
+    lanes, in the same run."""
+    lanes = bench.lanes_for("eagle", ["refengine", "ctranslate2"])
+    assert [(ln.label, ln.backend, ln.spec is None) for ln in lanes] == [
+        ("plain", "refengine", True), ("chain-s3-n4", "refengine", False),
+        ("chain-s5-n6", "refengine", False), ("ctranslate2", "ctranslate2", True)]
+
+
 def test_graph_lanes_sit_beside_their_eager_twins(random_model_dir: Path) -> None:
     """--graphs: a twin lane through the graph runner for each backend claiming one (not hf),
     with the same tokens as its eager twin; its warm-up is reported, not timed."""
