@@ -104,8 +104,8 @@ def test_identity_and_capabilities() -> None:
     assert b.name == "hf"
     assert b.version.startswith("transformers ")
     caps = b.capabilities()
-    assert caps.algorithms == frozenset({"none"})
-    assert caps.sampling
+    assert caps.algorithms == frozenset({"none", "draft_model"})
+    assert caps.sampling and caps.acceptance_stats and caps.reference_draft
     assert not any(caps.claims(flag) for flag in
                    ("stepwise", "abort", "sessions", "memory_view", "tree", "overlap"))
 
@@ -117,7 +117,8 @@ def test_registry_resolves_hf() -> None:
 
 
 def test_spec_rejected(random_model_dir: Path) -> None:
-    with pytest.raises(ValueError, match=r"^spec: the hf backend supports plain decoding only"):
+    with pytest.raises(ValueError, match=r"^spec: the hf backend supports plain decoding and "
+                                         r"draft_model only, got 'eagle'"):
         backend().open(OpenConfig(model=str(random_model_dir), spec=SpecConfig()))
 
 

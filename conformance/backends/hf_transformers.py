@@ -5,6 +5,14 @@ refengine's paged one), which is what makes it useful: greedy output equal to re
 for token is evidence that both forwards are right, and ``specgate bench`` uses it as the speed
 yardstick. It claims no stepwise progress, abort, sessions or KV accounting.
 
+With ``OpenConfig.spec.algorithm == "draft_model"`` it runs assisted generation, one request at
+a time: the draft model (HF's, with a ``DynamicCache`` of its own) proposes ``num_steps`` greedy
+tokens, one target forward over root + drafts verifies them, and both caches are cropped to
+what was kept. Greedy keeps the longest agreeing prefix plus the target's next token; sampled
+requests use refengine's chain speculative sampling (``verify_tree_sampling``: exactly the
+target's distribution, drafts as point masses). ``FinishEvent.accept_lens`` gives the tokens
+each verify emitted, so tau is known.
+
 Semantics deliberately mirror refengine so the two can be compared directly:
 
 * finish: a token in ``stop_token_ids``, or EOS unless ``ignore_eos`` -> "stop"; a stop string
@@ -40,6 +48,7 @@ from conformance.backends.request_check import check_request
 from refengine.data import resolve_model_dir
 from refengine.request import FinishReason
 from refengine.sampler import sample_one, sampling_probs
+from refengine.spec.verify import verify_tree_sampling
 
 # transformers 5 renamed the forward's cache argument (`past_key_values` -> `cache`) and warns on
 # the old name; 4.x knows only the old one.
@@ -55,14 +64,24 @@ class _Job:
     seed: int
     output_ids: list[int] = field(default_factory=list)
     reason: FinishReason | None = None
+    accept_lens: list[int] = field(default_factory=list)  # per verify (assisted generation)
+
+
+@dataclass(frozen=True)
+class _Assistant:
+    """Assisted generation's draft model and how many tokens it proposes per verify."""
+
+    model: torch.nn.Module
+    num_steps: int
 
 
 class HFHandle:
     """An opened HF model. ``step`` runs everything queued to completion in one call."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: object, engine_seed: int,
-                 max_batch: int) -> None:
+                 max_batch: int, assistant: _Assistant | None = None) -> None:
         self.model: torch.nn.Module | None = model
+        self.assistant = assistant
         self.tokenizer = tokenizer
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
@@ -88,14 +107,19 @@ class HFHandle:
     def step(self) -> list[Event]:
         self._check_open()
         jobs, self._queue = self._queue, []
-        for start in range(0, len(jobs), self.max_batch):
-            self._generate(jobs[start:start + self.max_batch])
+        if self.assistant is not None:
+            for job in jobs:
+                self._assisted(job, self.assistant)
+        else:
+            for start in range(0, len(jobs), self.max_batch):
+                self._generate(jobs[start:start + self.max_batch])
         events: list[Event] = []
         for job in jobs:
             assert job.reason is not None
             out = tuple(job.output_ids)
             events.append(TokenEvent(job.req.rid, out))
-            events.append(FinishEvent(job.req.rid, job.reason, out, self._final_text(job)))
+            events.append(FinishEvent(job.req.rid, job.reason, out, self._final_text(job),
+                                      tuple(job.accept_lens)))
         return events
 
     def abort(self, rid: str) -> None:
@@ -185,21 +209,106 @@ class HFHandle:
             positions = positions[:, -1:] + 1
 
 
+    # --- assisted generation (draft_model) -----------------------------------------------------
+
+    def _forward(self, model: torch.nn.Module, ids: list[int], start: int,
+                 cache: DynamicCache) -> torch.Tensor:
+        """``ids`` at positions ``start ..`` after what ``cache`` holds -> their float logits."""
+        out = model(input_ids=torch.tensor([ids]), position_ids=torch.arange(
+            start, start + len(ids))[None], use_cache=True, **{_CACHE_ARG: cache})
+        return out.logits[0].float()
+
+    @torch.inference_mode()
+    def _assisted(self, job: _Job, assistant: _Assistant) -> None:
+        """One request: prefill, then draft -> verify -> crop until it finishes. The draft's
+        cache lags by what it never ran (the last draft of a fully accepted chain); each step
+        first feeds it every token it lacks, then the root."""
+        assert self.model is not None
+        draft, steps = assistant.model, assistant.num_steps
+        target_cache = DynamicCache(config=self.model.config)
+        draft_cache = DynamicCache(config=draft.config)
+        seq = list(job.req.prompt_ids)
+        logits = self._forward(self.model, seq, 0, target_cache)
+        if self._emit(job, self._select(logits[-1:], [job])):
+            return
+        seq.append(job.output_ids[-1])
+        while True:
+            root = len(seq) - 1                      # the root's position; the caches hold < it
+            fed = draft_cache.get_seq_length()
+            drafts = [int(self._forward(draft, seq[fed:], fed, draft_cache)[-1].argmax())]
+            for i in range(1, steps):
+                drafts.append(int(self._forward(draft, drafts[-1:], root + i,
+                                                draft_cache)[-1].argmax()))
+            chain = [seq[-1], *drafts]
+            logits = self._forward(self.model, chain, root, target_cache)
+            accepted, bonus = self._verify(job, chain, logits, steps)
+            _keep(target_cache, root + 1 + accepted)
+            _keep(draft_cache, root + min(accepted + 1, steps))
+            run = [*drafts[:accepted], bonus]
+            before = len(job.output_ids)
+            finished = self._emit(job, run)
+            job.accept_lens.append(len(job.output_ids) - before)
+            if finished:
+                return
+            seq.extend(run)
+
+    def _verify(self, job: _Job, chain: list[int], logits: torch.Tensor, steps: int
+                ) -> tuple[int, int]:
+        """-> (accepted drafts, the token after them) for the chain root + drafts."""
+        p = job.req.params
+        if p.greedy:
+            best = logits.argmax(dim=-1).tolist()
+            accepted = 0
+            while accepted < steps and chain[accepted + 1] == best[accepted]:
+                accepted += 1
+            return accepted, best[accepted]
+        probs = torch.stack([sampling_probs(row, p) for row in logits])
+        n = len(chain)
+        path = verify_tree_sampling(chain, [*range(1, n), -1], [-1] * n, probs, steps,
+                                    job.seed, len(job.output_ids))
+        return len(path.nodes) - 1, path.bonus
+
+    def _emit(self, job: _Job, tokens: list[int]) -> bool:
+        """Append ``tokens`` one at a time with finish checks; True once the request ends."""
+        for token in tokens:
+            job.output_ids.append(token)
+            job.reason = self._rule(job).reason(job.output_ids)
+            if job.reason is not None:
+                return True
+        return False
+
+
+def _keep(cache: DynamicCache, positions: int) -> None:
+    """Drop the cache's entries past ``positions`` (``crop`` takes a negative count to drop in
+    every transformers version; a positive length is refused by some)."""
+    extra = cache.get_seq_length() - positions
+    if extra > 0:
+        cache.crop(-extra)
+
+
 class HFBackend:
     name = "hf"
     version = f"transformers {transformers.__version__}"
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(algorithms=frozenset({"none"}), sampling=True, seeded_sampling=True)
+        # reference_draft: it runs the algorithm on the fixture draft, so its acceptance is
+        # held to the golden traces.
+        return Capabilities(algorithms=frozenset({"none", "draft_model"}), sampling=True,
+                            seeded_sampling=True, acceptance_stats=True, reference_draft=True)
 
     def open(self, cfg: OpenConfig) -> HFHandle:
-        if cfg.spec is not None:
-            raise ValueError("spec: the hf backend supports plain decoding only")
+        spec = cfg.spec
+        if spec is not None and spec.algorithm != "draft_model":
+            raise ValueError(f"spec: the hf backend supports plain decoding and draft_model "
+                             f"only, got {spec.algorithm!r}")
         path: Path = resolve_model_dir(cfg.model)
         transformers.utils.logging.disable_progress_bar()  # a loading bar per open is noise
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         tokenizer = AutoTokenizer.from_pretrained(path)
-        return HFHandle(model, tokenizer, cfg.seed, cfg.max_running_requests)
+        assistant = None if spec is None else _Assistant(
+            AutoModelForCausalLM.from_pretrained(resolve_model_dir(spec.draft_model),
+                                                 dtype=torch.float32).eval(), spec.num_steps)
+        return HFHandle(model, tokenizer, cfg.seed, cfg.max_running_requests, assistant)
 
 
 def backend() -> HFBackend:
