@@ -3,6 +3,7 @@ are closer than the backend's declared precision can resolve, lists it, and fail
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -12,9 +13,11 @@ from rewriting_backend import RewritingBackend
 from test_plugin import run_suite
 
 from conformance.adapter import FLAG_NAMES, PRECISIONS, Capabilities, Request, SamplingParams
+from conformance.backends.refengine import RefEngineBackend
 from conformance.oracle import NEAR_TIE_EPSILON, Divergence, ReferenceOracle, top2_margins
 from conformance.plugin import PROFILES as PLUGIN_PROFILES
 from conformance.prompts import load_prompt_set
+from refengine import Engine, EngineConfig
 
 pytest_plugins = ["pytester"]
 
@@ -61,6 +64,31 @@ def flips_confident_tokens() -> RewritingBackend:
     return RewritingBackend("flips-confident", flip_where(fragile=False), precision="bfloat16")
 
 
+class BFloat16Engine(Engine):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(replace(config, dtype="bfloat16"))
+
+
+class BFloat16Reference(RefEngineBackend):
+    """The reference engine computing in bfloat16, declaring ``precision``."""
+
+    engine_class = BFloat16Engine
+
+    def __init__(self, precision: str) -> None:
+        self.precision = precision
+
+    def capabilities(self) -> Capabilities:
+        return replace(super().capabilities(), precision=self.precision)
+
+
+def bfloat16_honest() -> BFloat16Reference:
+    return BFloat16Reference("bfloat16")
+
+
+def bfloat16_claiming_float32() -> BFloat16Reference:
+    return BFloat16Reference("float32")
+
+
 def lossless(pytester: pytest.Pytester, backend: str) -> list[dict]:
     (pytester.path / "none.ini").write_text("[pytest]\n")
     _, results = run_suite(pytester, f"tests.test_near_ties:{backend}", Path(FIXTURE),
@@ -98,6 +126,18 @@ def test_a_flip_at_a_confident_position_fails_naming_it(pytester: pytest.Pyteste
     message = checks[0]["message"]
     assert "first divergence at output index" in message, message
     assert "reference top-2 margin" in message and "expected" in message, message
+
+
+@pytest.mark.slow
+def test_a_real_bfloat16_engine_passes_only_when_it_says_so(pytester: pytest.Pytester) -> None:
+    """Rounding, not a planted flip: in bfloat16 the reference diverges from itself in float32
+    at near-ties (about half of the gate's requests within 32 tokens)."""
+    honest = lossless(pytester, "bfloat16_honest")
+    assert all(c["outcome"] == "passed" for c in honest), [c["message"] for c in honest]
+    assert any(c["figures"].get("near_ties") for c in honest)
+    claimed = lossless(pytester, "bfloat16_claiming_float32")
+    assert all(c["outcome"] == "failed" and "near-tie epsilon 0.0001" in c["message"]
+               for c in claimed), [c["message"] for c in claimed]
 
 
 def test_the_failure_names_position_tokens_and_margin() -> None:
@@ -154,8 +194,6 @@ def test_epsilon_covers_the_references_own_rounding(precision: str) -> None:
     """The reference itself in ``precision``: every change of a top-5 logit gap against its
     float32 logits stays below half the precision's epsilon (the decisions' measurement, on a
     long context)."""
-    from conformance.prompts import load_prompt_set
-    from refengine import Engine, EngineConfig
 
     ids = [t for c in load_prompt_set("default") for t in c.ids][:1500]
     low = Engine(EngineConfig(model=FIXTURE, kv_pool_tokens=4096, dtype=precision))
