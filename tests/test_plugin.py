@@ -16,7 +16,8 @@ pytest_plugins = ["pytester"]
 
 
 class ClaimsNothingUseful(RefEngineBackend):
-    """Claims only an algorithm no --spec of this version selects."""
+    """Claims only ``draft_model``: nothing under the default spec, a real run under
+    ``--specgate-spec draft-model``."""
 
     name = "claims-nothing"
 
@@ -66,6 +67,19 @@ def test_unclaimed_everything_is_a_vacuous_failure(pytester: pytest.Pytester,
     res.stdout.fnmatch_lines(["*vacuous run refused*"])
     assert results["vacuous"]
     assert results["checks"] and all(c["outcome"] == "not claimed" for c in results["checks"])
+
+
+def test_only_draft_model_gets_a_real_run(pytester: pytest.Pytester) -> None:
+    """The same backend under ``--spec draft-model``: its checks run and pass (not a
+    vacuous run), on the bundled target, whose tokenizer and KV layout the draft shares."""
+    (pytester.path / "none.ini").write_text("[pytest]\n")
+    res, results = run_suite(pytester, "tests.test_plugin:claims_nothing", Path("tiny-code"),
+                             "--specgate-spec", "draft-model", "-k",
+                             "test_greedy_matches_reference and batch-1")
+    assert res.ret == pytest.ExitCode.OK, res.stdout.str()[-2000:]
+    assert not results["vacuous"]
+    passed = [c["nodeid"] for c in results["checks"] if c["outcome"] == "passed"]
+    assert any("draft-n4" in n for n in passed) and any("draft-n6" in n for n in passed)
 
 
 def test_gating_marks_unclaimed_checks(pytester: pytest.Pytester,
