@@ -23,8 +23,9 @@ import torch
 from refengine import Engine, EngineConfig, SamplingParams
 from refengine.sampler import sampling_probs
 
-# Logits (float32 reference units). Each is about twice the largest change of a top-5 logit gap
-# the reference itself shows in that precision (docs/decisions.md, "Near-ties").
+# Logits. bfloat16 and float16: about twice the largest change of a top-5 logit gap the
+# reference itself shows in that precision; float32: nine times the largest it shows between
+# prefill shapes, as other engines sum in other orders too (docs/decisions.md, "Near-ties").
 NEAR_TIE_EPSILON: dict[str, float] = {"float32": 1e-4, "float16": 0.1, "bfloat16": 1.0}
 
 
