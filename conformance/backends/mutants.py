@@ -38,15 +38,23 @@ from refengine.memory.view import ceil_page
 from refengine.model.attention import AttentionMetadata
 from refengine.model.eagle import EagleDraftModel
 from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
+from refengine.model.llama import ForwardBatch
 from refengine.output import OutputProcessor
 from refengine.request import FinishReason, Req
 from refengine.runner import ModelRunner
 from refengine.scheduler import Scheduler
 from refengine.spec.draft_model import DraftModelWorker
+from refengine.spec.draft_search import Candidates, LoopOutput
 from refengine.spec.draft_state import DraftState
 from refengine.spec.eagle_v1 import EagleV1Worker
 from refengine.spec.frozen_kv_mtp import FrozenKVMTPWorker
-from refengine.spec.inputs import DraftExtendInput, DraftInput, SeedInput, VerifyInput
+from refengine.spec.inputs import (
+    CatchUpInput,
+    DraftExtendInput,
+    DraftInput,
+    SeedInput,
+    VerifyInput,
+)
 from refengine.spec.verify import SampledPath, verify_tree_sampling
 from refengine.step import StepResult
 from refengine.stopping import finish_reason
@@ -551,6 +559,66 @@ class BonusTokensNotRestaged(Engine):
     graph_runner_class = _CaptureTimeBonusGraphRunner
 
 
+class _DraftPositionsShifted(ModelRunner):
+    def prepare_draft_step(self, reqs: list[Req], tokens: torch.Tensor, positions: torch.Tensor,
+                           slots: torch.Tensor, width: int, seen: list[int],
+                           masks: list[torch.Tensor] | None = None) -> ForwardBatch:
+        return super().prepare_draft_step(reqs, tokens, positions + 1, slots, width, seen, masks)
+
+
+class DraftPositionShift(Engine):
+    """The draft head's step-i nodes are placed one position too far (``s + i`` instead of
+    ``s + i - 1``): their rotary phase is off by one. Verification is untouched, so output stays
+    exactly lossless; only acceptance drops, at some verify steps."""
+
+    runner_class = _DraftPositionsShifted
+
+
+def reparent_to_best(parents: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
+    """BUG: every candidate below the first step hangs under the best-scoring node of its true
+    parent's generation (step 1: ``k`` nodes, step i > 1: ``k*k``) instead of its own parent.
+    That node is always selected before any of its (new) children, so the tree stays valid."""
+    out = parents.clone()
+    for r in range(parents.shape[0]):
+        for c, p in enumerate(parents[r].tolist()):
+            if p < 0:
+                continue
+            lo, width = (0, k) if p < k else (k + (p - k) // (k * k) * k * k, k * k)
+            out[r, c] = lo + int(torch.argmax(scores[r, lo:lo + width]))
+    return out
+
+
+class _WrongParentTree(EagleV1Worker):
+    def to_verify_input(self, reqs: list[Req], root_tokens: torch.Tensor, found: LoopOutput
+                        ) -> VerifyInput:
+        if isinstance(found, Candidates):
+            found = Candidates(found.scores, found.tokens,
+                               reparent_to_best(found.parents, found.scores, self.spec.topk))
+        return super().to_verify_input(reqs, root_tokens, found)
+
+
+class TreeWrongParent(Engine):
+    """The verify tree is assembled with wrong parents (each deeper draft token under the best
+    node of its parent's step): the tree is consistent, so verification stays lossless, but the
+    draft tokens are checked in contexts they were not drafted for and acceptance drops."""
+
+    worker_classes = with_worker("eagle", _WrongParentTree)
+
+
+class _CatchUpSkipped(DraftModelWorker):
+    def draft_extend(self, reqs: list[Req], ext: DraftExtendInput) -> CatchUpInput:
+        caught = super().draft_extend(reqs, ext)
+        return CatchUpInput(caught.verified_id, torch.zeros_like(caught.behind))
+
+
+class DraftCatchUpSkipped(Engine):
+    """A standalone draft model never catches up on the last draft of a fully accepted chain:
+    that position keeps no draft KV, and later drafts attend to a hole. Verification is
+    untouched (lossless); acceptance drops after every fully accepted step."""
+
+    worker_classes = with_worker("draft_model", _CatchUpSkipped)
+
+
 @dataclass(frozen=True)
 class Mutant:
     name: str
@@ -590,6 +658,9 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("seed_ignored", SeedIgnored),
     Mutant("seed_by_batch_row", SeedByBatchRow, spec="eagle"),
     Mutant("stop_string_at_run_end", StopStringAtRunEnd, spec="eagle"),
+    Mutant("draft_position_shift", DraftPositionShift, spec="eagle"),
+    Mutant("tree_wrong_parent", TreeWrongParent, spec="eagle-tree"),
+    Mutant("draft_catch_up_skipped", DraftCatchUpSkipped, spec="draft-model"),
 ]}
 
 
