@@ -47,7 +47,13 @@ def _short_mix(sg: SuiteContext, rng: random.Random) -> Requests:
 def _load_mix(sg: SuiteContext, requests: Requests, rng: random.Random, abort_fraction: float,
               page_size: int, record_property, **limits: int) -> None:
     need = [len(p) + s.max_new_tokens for p, s in requests.values()]
-    pool = max(max(need) + 2 * page_size, int(0.3 * sum(need)))  # forces retraction
+    # Room for the longest request alone, with head-room for the slots a speculative step
+    # holds past its sequence (verify block, draft scratch, an overlap reservation: a few
+    # steps' worth of N), else a backend rightly refuses it as never fitting; and small enough
+    # overall to force retraction.
+    spec = sg.spec.configs[0]
+    step_tokens = 1 if spec is None else spec.num_draft_tokens
+    pool = max(max(need) + 2 * page_size + 4 * step_tokens, int(0.3 * sum(need)))
     pool = -(-pool // page_size) * page_size
     doomed = {rid for rid in requests if rng.random() < abort_fraction}
     with open_driver(sg, kv_pool_tokens=pool, page_size=page_size, **limits) as driver:
