@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 from conformance import registry
@@ -322,3 +323,16 @@ def test_certify_on_the_random_model(tmp_path: Path, random_model_dir: Path) -> 
 def test_certify_on_the_fixture(tmp_path: Path) -> None:
     """What a user runs: the bundled fixture, the CLI's default workers."""
     certify(tmp_path)
+
+
+def test_thread_count_follows_torch_unless_overridden(monkeypatch: pytest.MonkeyPatch) -> None:
+    from conformance.backends.ctranslate2_backend import THREADS_ENV, intra_threads
+
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    assert intra_threads() == torch.get_num_threads()
+    monkeypatch.setenv(THREADS_ENV, "1")
+    assert intra_threads() == 1
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=THREADS_ENV):
+            intra_threads()
