@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # the CLI imports heavy modules lazily, inside each command
     from rich.console import Console
 
     from conformance.adapter import Backend, SpecConfig
+    from conformance.backends.mutants import Mutant
+    from conformance.backends.source_mutants import SourceMutant
     from conformance.report import Certificate
     from conformance.specs import SpecChoice
     from conformance.suite_run import SuiteRun
@@ -76,7 +78,7 @@ def _validate(spec: str, backends: list[str], model: str, draft_model: str | Non
     try:
         drafts = {draft_model} if draft_model else {
             c.draft_model for choice in resolve_specs(spec) for c in choice.configs if c}
-        loaded = [load_backend(name) for name in backends]
+        loaded = [load_backend(name, launcher=True) for name in backends]
         check_model_dir(resolve_model_dir(model))
         for draft in sorted(drafts):
             check_draft_dir(resolve_model_dir(draft))
@@ -218,21 +220,25 @@ def _killer(check: dict[str, object]) -> str:
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
-    from conformance.backends.mutants import MUTANTS
+    from conformance.backends.mutants import MUTANTS as CLASS_MUTANTS
+    from conformance.backends.source_mutants import SOURCE_MUTANTS
     from conformance.progress import Steps
     from conformance.suite_run import SuiteOptions, run_suite
 
-    _validate(args.spec or "none", [], args.model, args.draft_model)
-    names = list(MUTANTS) if not args.only else args.only.split(",")
-    unknown = [n for n in names if n not in MUTANTS]
+    zoo: dict[str, Mutant | SourceMutant] = {**CLASS_MUTANTS, **SOURCE_MUTANTS}
+    names = list(zoo) if not args.only else args.only.split(",")
+    unknown = [n for n in names if n not in zoo]
     if unknown:
-        raise UsageError(f"--only: unknown mutant(s) {unknown} (known: {', '.join(MUTANTS)})")
+        raise UsageError(f"--only: unknown mutant(s) {unknown} (known: {', '.join(zoo)})")
+    # every source mutant's patch must still apply, before any work
+    _validate(args.spec or "none", [f"mutant:{n}" for n in names if n in SOURCE_MUTANTS],
+              args.model, args.draft_model)
     rows = []
     with Steps("mutants", len(names)) as steps:
         for name in names:
             # A mutant runs under the spec where its bug is visible (a plain one under none, a
             # speculative one under eagle or eagle-v2); --spec forces one spec for all.
-            spec = args.spec or MUTANTS[name].spec
+            spec = args.spec or zoo[name].spec
             steps.start(f"{name} (spec {spec})")
             opts = SuiteOptions(f"mutant:{name}", spec, args.profile, args.model,
                                 args.draft_model, stop_at_first_failure=True)
@@ -245,7 +251,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
             killers = [c for c in checks if c["outcome"] == "failed"]
             status = ("killed" if killers else "survived" if checks
                       else "error: the suite did not run")
-            row = {"mutant": name, "spec": spec, "bug_class": MUTANTS[name].bug_class,
+            row = {"mutant": name, "spec": spec, "bug_class": zoo[name].bug_class,
                    "status": status, "killed_by": _killer(killers[0]) if killers else None,
                    "message": killers[0]["message"] if killers else None}
             rows.append(row)
@@ -322,6 +328,42 @@ def cmd_golden(args: argparse.Namespace) -> int:
             steps.done("matches" if same else "DIFFERS")
             failed += 0 if same else 1
     return 1 if failed else 0
+
+
+# --- expected -----------------------------------------------------------------------------------
+
+def cmd_expected(args: argparse.Namespace) -> int:
+    from conformance import expected
+    from refengine.data import fixture_names
+
+    _validate("none", [], args.model)
+    if args.model not in fixture_names():
+        raise UsageError(f"--model {args.model}: expected outputs are recorded for bundled "
+                         f"fixtures only ({', '.join(fixture_names())})")
+    try:
+        import transformers  # noqa: F401  (the recording is checked against it)
+    except ImportError:
+        raise UsageError("expected: recording is checked against transformers; install it "
+                         "with: pip install 'specgate[hf]'") from None
+    path = expected.expected_path(args.model)
+    try:
+        recorded = expected.record(args.model)
+    except expected.ExpectedMismatch as err:
+        print(f"specgate expected: transformers disagrees, nothing written: {err}", flush=True)
+        return 1
+    ties = sum(len(c.hf_near_ties) for c in recorded.continuations.values())
+    line = (f"{args.model}: {len(recorded.continuations)} prompts, "
+            f"{sum(len(c.tokens) for c in recorded.continuations.values())} tokens, "
+            f"agree with transformers (near-ties: {ties})")
+    if args.action == "record":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomically(path, recorded.to_json())
+        print(f"{line} -> {path}", flush=True)
+        return 0
+    same = path.exists() and path.read_text() == recorded.to_json()
+    print(f"{line}: {'matches' if same else 'DIFFERS from' if path.exists() else 'MISSING'} "
+          f"{path}", flush=True)
+    return 0 if same else 1
 
 
 # --- bench ------------------------------------------------------------------------------------
@@ -447,6 +489,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tokens per request")
     gold.add_argument("--model", default="tiny-code", help="fixture name or model directory")
     gold.set_defaults(func=cmd_golden)
+
+    expect = sub.add_parser("expected", formatter_class=fmt,
+                            help="record or check the committed expected outputs the oracle "
+                                 "answers from (checked against transformers)")
+    expect.add_argument("action", choices=["record", "check"])
+    expect.add_argument("--model", default="tiny-code", help="a bundled fixture")
+    expect.set_defaults(func=cmd_expected)
 
     mutants = sub.add_parser("mutants", formatter_class=fmt, help="run the suite against every "
                              "bug-zoo mutant; exit 1 if any survives")

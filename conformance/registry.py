@@ -1,6 +1,6 @@
 """Resolve a backend named on the command line: ``module:factory``, an entry-point name (group
-``specgate.backends``) or ``mutant:<name>`` (the bug zoo). Problems raise ``BackendError`` with
-one line naming them."""
+``specgate.backends``) or ``mutant:<name>`` (the bug zoo: class mutants and source-patch
+mutants). Problems raise ``BackendError`` with one line naming them."""
 
 from __future__ import annotations
 
@@ -40,13 +40,26 @@ def _target(spec: str) -> str:
                        "or give module:factory)")
 
 
-def load_backend(spec: str) -> Backend:
+def _load_mutant(name: str, launcher: bool) -> Backend:
+    from conformance.backends.mutants import MUTANTS, mutant_backend
+    from conformance.backends.source_mutants import SOURCE_MUTANTS, source_mutant_backend
+
+    try:
+        if name in SOURCE_MUTANTS:
+            return source_mutant_backend(name, launcher)
+        if name not in MUTANTS:
+            raise ValueError(f"unknown mutant {name!r} (known: "
+                             f"{', '.join([*MUTANTS, *SOURCE_MUTANTS])})")
+        return mutant_backend(name)
+    except ValueError as err:
+        raise BackendError(str(err)) from None
+
+
+def load_backend(spec: str, launcher: bool = False) -> Backend:
+    """``launcher``: the caller only checks the backend and runs the suite through
+    ``conformance.suite_run`` (which starts the process a source mutant needs)."""
     if spec.startswith("mutant:"):
-        from conformance.backends.mutants import mutant_backend
-        try:
-            return mutant_backend(spec.split(":", 1)[1])
-        except ValueError as err:
-            raise BackendError(str(err)) from None
+        return _load_mutant(spec.split(":", 1)[1], launcher)
     target = _target(spec)
     module_name, _, attr = target.partition(":")
     try:

@@ -117,8 +117,26 @@ def _no_plugin_autoload() -> Iterator[None]:
             os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = before
 
 
+def _run_source_mutant(opts: SuiteOptions, results: Path, junit: Path | None) -> SuiteRun | None:
+    """A source-patch mutant's suite runs in a subprocess that imports its patched
+    ``refengine`` (``conformance.backends.source_mutants``); ``plugins`` cannot follow it
+    there (no progress is drawn). None: ``opts.backend`` is no source mutant."""
+    from conformance.backends.source_mutants import SOURCE_MUTANTS, run_patched
+
+    mutant = SOURCE_MUTANTS.get(opts.backend.removeprefix("mutant:"))
+    if mutant is None or not opts.backend.startswith("mutant:"):
+        return None
+    done = run_patched(mutant, suite_args(opts, results, junit))
+    loaded = json.loads(results.read_text()) if results.exists() else None
+    problems = [] if loaded is not None else [(done.stderr or done.stdout).strip()[-2000:]]
+    return SuiteRun(done.returncode, loaded, False, problems)
+
+
 def run_suite(opts: SuiteOptions, results: Path, junit: Path | None = None,
               plugins: tuple[object, ...] = ()) -> SuiteRun:
+    patched = _run_source_mutant(opts, results, junit)
+    if patched is not None:
+        return patched
     watch = SuiteWatch()
     with _no_plugin_autoload(), contextlib.redirect_stdout(io.StringIO()):
         code = pytest.main(suite_args(opts, results, junit), plugins=[watch, *plugins])
