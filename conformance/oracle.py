@@ -3,8 +3,8 @@ exact (float64) distribution a sampled request draws its next token from, and th
 where a backend's greedy output first differs from the reference's.
 
 Whatever backend is under test (a mutant of the reference engine included), expected outputs
-come from an unmodified ``refengine.Engine`` with plain decoding, so a broken backend can never
-vouch for itself.
+come from the committed expected outputs or else from ``refengine.Engine`` with plain
+decoding, so a broken backend can never vouch for itself.
 
 Near-ties. A backend computing in another precision (or merely another order of float32 sums)
 may pick the other token where the reference's top two logits are closer than its rounding
@@ -16,16 +16,16 @@ the backend continues a different prefix.
 Committed expected outputs. For the bundled fixture, greedy outputs come first from the
 outputs committed with specgate (``conformance.expected``), recorded once and checked against
 transformers, not from the engine: when the code under test is ``refengine`` itself, a bug in
-a path plain decoding shares with speculation would otherwise be in the oracle too. They cover
-every greedy request of the lossless and memory tiers and of the lifecycle and worker tiers
-(prompts of the profiles' prompt sets, the long contexts around the context boundaries, any
-length up to the recorded one, stop token ids, EOS), in the gate and the full profile. Not
-covered, and answered by running the engine (``ReferenceOracle.fallbacks`` counts them): the
-sessions tier's turns (their contexts grow from earlier outputs), requests with stop strings,
-prompts of other tests, and any model other than a bundled fixture with recorded outputs. The
-engine's logits are still read for the near-tie judgment of a divergence the committed data
-cannot settle: a backend token other than the recorded runner-up, where the recorded top-2
-margin is below the epsilon; and for ``next_token_probs`` (the distribution tiers).
+a path plain decoding shares with speculation would otherwise be in the oracle too. They are
+recorded to cover every greedy request of the lossless, memory, lifecycle and worker tiers in
+both profiles (prompts of the profiles' prompt sets, the long contexts around the context
+boundaries, any length up to the recorded one, stop token ids, EOS). Not covered, and
+answered by running the engine (``ReferenceOracle.fallbacks`` counts them): the sessions tier's
+turns (their contexts grow from earlier outputs), requests with stop strings, prompts of other
+tests, and any model other than a bundled fixture with recorded outputs. The engine's logits
+are still read for the near-tie judgment of a divergence the committed data cannot settle (a
+backend token other than the recorded runner-up, where the recorded top-2 margin is below the
+epsilon), and for ``next_token_probs`` (the distribution and reproducibility tiers).
 """
 
 from __future__ import annotations
