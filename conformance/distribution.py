@@ -64,16 +64,25 @@ class JointLaw:
         return float(-(p * np.log2(p)).sum())
 
 
-def exact_law(probs_of: ProbsOf, prompt_id: str, prompt: tuple[int, ...], tokens: int
-              ) -> JointLaw:
+class SupportTooLarge(Exception):
+    """The joint law has more cells than the caller can test."""
+
+
+def exact_law(probs_of: ProbsOf, prompt_id: str, prompt: tuple[int, ...], tokens: int,
+              max_cells: int | None = None) -> JointLaw:
     """Walk the support tree: one next-token distribution per support prefix (``1 + k + k^2``
-    for three tokens under top-k)."""
+    for three tokens under top-k). With ``max_cells``, stop (``SupportTooLarge``) as soon as
+    the walk has found more cells than that: a top-p support can be huge, and walking it
+    costs one forward per prefix (every prefix walked leads to a cell, so stopping early
+    bounds the forwards too)."""
     next_probs: dict[tuple[int, ...], torch.Tensor] = {}
     cells: list[Cell] = []
     masses: list[float] = []
 
     def walk(prefix: tuple[int, ...], mass: float) -> None:
         if len(prefix) == tokens:
+            if max_cells is not None and len(cells) == max_cells:
+                raise SupportTooLarge(f"{prompt_id}: more than {max_cells} cells")
             cells.append(prefix)
             masses.append(mass)
             return
@@ -84,6 +93,20 @@ def exact_law(probs_of: ProbsOf, prompt_id: str, prompt: tuple[int, ...], tokens
 
     walk((), 1.0)
     return JointLaw(prompt_id, prompt, tokens, tuple(cells), np.array(masses), next_probs)
+
+
+def verify_misapplied_law(law: JointLaw, verify_probs_of: ProbsOf) -> np.ndarray:
+    """The law on ``law.cells`` plus a last cell for the rest (outside the target's support)
+    of a speculative sampler that is exact but verifies against ``verify_probs_of`` instead of
+    the target: t1 is plain (the prefill's own draw, from the target), t2 and t3 are verified,
+    and an exact verify emits exactly its distribution whatever the drafts."""
+    out = np.zeros(len(law.cells) + 1)
+    for i, (t1, t2, t3) in enumerate(law.cells):
+        q1 = verify_probs_of((*law.prompt, t1))
+        q2 = verify_probs_of((*law.prompt, t1, t2))
+        out[i] = float(law.next_probs[()][t1]) * float(q1[t2]) * float(q2[t3])
+    out[-1] = max(0.0, 1.0 - float(out[:-1].sum()))
+    return out
 
 
 # --- the speculative sampler's law ------------------------------------------------------------

@@ -46,6 +46,14 @@ METHODS = ("cr", "g", "pearson")
 _LAMBDA: dict[str, float | str] = {"cr": CR_LAMBDA, "g": "log-likelihood", "pearson": "pearson"}
 
 
+def bonferroni(budget: float, tests: int) -> float:
+    """The level of each of ``tests`` tests that keeps the probability of any false alarm
+    among them under ``budget`` (the union bound: whatever their dependence)."""
+    if tests < 1 or not 0.0 < budget < 1.0:
+        raise ValueError(f"tests: need >= 1 test and a budget in (0, 1), got {tests}, {budget}")
+    return budget / tests
+
+
 # --- pooling and the test ----------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
-from conformance.adapter import OpenConfig
+from conformance.adapter import OpenConfig, SamplingParams
 from conformance.backends.refengine import RefEngineBackend, RefEngineHandle
 from refengine import Engine
 from refengine.graph.draft_loop import DraftLoopGraph, LoopStaging
@@ -46,7 +47,7 @@ from refengine.scheduler import Scheduler
 from refengine.spec.draft_model import DraftModelWorker
 from refengine.spec.draft_search import Candidates, LoopOutput
 from refengine.spec.draft_state import DraftState
-from refengine.spec.eagle_v1 import EagleV1Worker
+from refengine.spec.eagle_v1 import EagleV1Worker, VerifyOutcome
 from refengine.spec.frozen_kv_mtp import FrozenKVMTPWorker
 from refengine.spec.inputs import (
     CatchUpInput,
@@ -619,6 +620,69 @@ class DraftCatchUpSkipped(Engine):
     worker_classes = with_worker("draft_model", _CatchUpSkipped)
 
 
+# --- sampling parameters on the verify path ----------------------------------------------------
+
+def drop_top_p(params: SamplingParams) -> SamplingParams:
+    """BUG: top-p never reaches the verify path (temperature and top-k do)."""
+    return replace(params, top_p=1.0)
+
+
+def drop_temperature(params: SamplingParams) -> SamplingParams:
+    """BUG: the verify path scores at temperature 1 (the temperature reaches only the plain
+    sampler); greedy requests stay greedy."""
+    return params if params.greedy else replace(params, temperature=1.0)
+
+
+class _VerifyParamsAltered(EagleV1Worker):
+    """Verify sees each sampled request's params through ``verify_params``: its target
+    distribution is built from them, while the plain (prefill) sampler uses the real ones."""
+
+    verify_params: ClassVar[Callable[[SamplingParams], SamplingParams]]
+
+    def verify(self, reqs: list[Req], vin: VerifyInput) -> VerifyOutcome:
+        own = [req.params for req in reqs]
+        for req in reqs:
+            req.params = type(self).verify_params(req.params)
+        try:
+            return super().verify(reqs, vin)
+        finally:
+            for req, params in zip(reqs, own, strict=True):
+                req.params = params
+
+
+class _VerifyIgnoresTopP(_VerifyParamsAltered):
+    verify_params = staticmethod(drop_top_p)
+
+
+class _VerifyIgnoresTemperature(_VerifyParamsAltered):
+    verify_params = staticmethod(drop_temperature)
+
+
+class VerifyIgnoresTopP(Engine):
+    """Top-p ignored in verify: speculative verification samples from the target distribution
+    without top-p filtering while plain sampling applies it, so tokens outside the nucleus are
+    emitted after the first. Greedy output is untouched."""
+
+    worker_classes = with_worker("eagle", _VerifyIgnoresTopP)
+
+
+class VerifyTemperatureMisapplied(Engine):
+    """Temperature misapplied in verify: verification scores the target at temperature 1
+    (the temperature reaches only the plain sampler), so every verified token follows the
+    untempered law. Greedy output is untouched."""
+
+    worker_classes = with_worker("eagle", _VerifyIgnoresTemperature)
+
+
+# The verify-path parameter bugs, by mutant name: their exact output law follows from the
+# altered params alone (verification stays exact for them), which the distribution tier uses
+# to report its power against each.
+VERIFY_PARAM_BUGS: dict[str, Callable[[SamplingParams], SamplingParams]] = {
+    "verify_ignores_top_p": drop_top_p,
+    "verify_temperature_misapplied": drop_temperature,
+}
+
+
 @dataclass(frozen=True)
 class Mutant:
     name: str
@@ -661,6 +725,8 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("draft_position_shift", DraftPositionShift, spec="eagle"),
     Mutant("tree_wrong_parent", TreeWrongParent, spec="eagle-tree"),
     Mutant("draft_catch_up_skipped", DraftCatchUpSkipped, spec="draft-model"),
+    Mutant("verify_ignores_top_p", VerifyIgnoresTopP, spec="eagle"),
+    Mutant("verify_temperature_misapplied", VerifyTemperatureMisapplied, spec="eagle"),
 ]}
 
 
