@@ -12,6 +12,7 @@ import torch
 from conformance.backends.mutants import _residual_is_p, draft_tree
 from conformance.distribution import (
     JointLaw,
+    SupportTooLarge,
     Trees,
     biased_bonus,
     emission,
@@ -139,3 +140,16 @@ def test_samplers_match_their_laws(children: tuple[int, ...]) -> None:
             assert gof_test(counts, p.numpy()).rejected == (float(p[list(children)].sum()) > 0)
     biased = sum(emission(p, (3,), biased_bonus))
     assert float(biased[3]) == pytest.approx(0.4 * 1.6)
+
+
+def test_exact_law_stops_past_max_cells(law: JointLaw) -> None:
+    walked: list[tuple[int, ...]] = []
+
+    def counting(ids: tuple[int, ...]) -> torch.Tensor:
+        walked.append(ids)
+        return probs_of(ids)
+
+    assert exact_law(probs_of, "p", PROMPT, 3, max_cells=len(law.cells)).cells == law.cells
+    with pytest.raises(SupportTooLarge):
+        exact_law(counting, "p", PROMPT, 3, max_cells=4)
+    assert len(walked) <= 2 * 4 + 1  # every prefix walked leads to a cell

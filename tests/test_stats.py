@@ -12,6 +12,7 @@ from conformance.stats import (
     CR_LAMBDA,
     METHODS,
     NOMINAL_ALPHA,
+    bonferroni,
     gof_test,
     pool_cells,
     power,
@@ -162,3 +163,11 @@ def test_power_grows_with_sample_size() -> None:
     assert small < 0.1 and large > 0.99
     support = power([0.5, 0.5, 0.0], [0.49, 0.5, 0.01], 2000, trials=200)
     assert support == 1.0  # any draw outside the null's support rejects
+
+
+def test_bonferroni_splits_the_budget() -> None:
+    assert bonferroni(ALPHA, 4) * 4 == pytest.approx(ALPHA)
+    assert bonferroni(0.05, 1) == 0.05
+    for tests, budget in [(0, 0.05), (2, 0.0), (2, 1.0)]:
+        with pytest.raises(ValueError, match=r"^tests:"):
+            bonferroni(budget, tests)
