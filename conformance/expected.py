@@ -186,13 +186,12 @@ def _hf_near_ties(hf_logits: torch.Tensor, tokens: list[int], epsilon: float) ->
     return tuple(ties)
 
 
-def record_one(engine: Engine, hf_model: torch.nn.Module, prompt: tuple[int, ...], length: int,
-               epsilon: float) -> Continuation:
+def record_one(engine: Engine, hf_model: torch.nn.Module, prompt: tuple[int, ...],
+               tokens: list[int], epsilon: float) -> Continuation:
+    """``tokens``, the reference's greedy continuation of ``prompt``, with its runner-ups and
+    margins from one scoring prefill, checked against transformers fed the same tokens."""
     import torch
 
-    room = min(length, engine.max_context_len - len(prompt))
-    params = SamplingParams(max_new_tokens=room, temperature=0.0, ignore_eos=True)
-    tokens = engine.generate([list(prompt)], params)[0].output_ids
     scored = list(prompt) + tokens[:-1]
     logits = engine.prompt_logits(scored)[len(prompt) - 1:]
     top, runner_up, margins = _top2(logits)
@@ -207,8 +206,9 @@ def record_one(engine: Engine, hf_model: torch.nn.Module, prompt: tuple[int, ...
 
 
 def record(model: str) -> ExpectedOutputs:
-    """Record every covered prompt's continuation with the reference engine, checked against
-    transformers (ExpectedMismatch names the first prompt it disagrees on)."""
+    """Record every covered prompt's continuation with the reference engine, one request at a
+    time as the live oracle decodes, checked against transformers (ExpectedMismatch names the
+    first prompt it disagrees on)."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -221,8 +221,12 @@ def record(model: str) -> ExpectedOutputs:
                                                 dtype=torch.float32).eval()
     conts = {}
     for key, (prompt, length) in covered_prompts(model).items():
+        room = min(length, engine.max_context_len - len(prompt))
+        params = SamplingParams(max_new_tokens=room, temperature=0.0, ignore_eos=True)
+        tokens = engine.generate([list(prompt)], params)[0].output_ids
         try:
-            conts[key] = record_one(engine, hf_model, prompt, length, NEAR_TIE_EPSILON["float32"])
+            conts[key] = record_one(engine, hf_model, prompt, tokens,
+                                    NEAR_TIE_EPSILON["float32"])
         except ExpectedMismatch as err:
             raise ExpectedMismatch(f"prompt {key} ({len(prompt)} tokens): {err}") from None
     return ExpectedOutputs(model, fixture_digest(model), engine.max_context_len,

@@ -158,7 +158,8 @@ def test_recording_one_prompt_agrees_with_the_committed_file() -> None:
     prompt = load_prompt_set("small")[4].ids
     engine = Engine(EngineConfig(model=MODEL, kv_pool_tokens=2048, max_running_requests=1))
     hf = LlamaForCausalLM.from_pretrained(resolve_model_dir(MODEL), dtype=torch.float32).eval()
-    got = exp.record_one(engine, hf, prompt, 16, NEAR_TIE_EPSILON["float32"])
+    tokens = engine.generate([list(prompt)], greedy(16))[0].output_ids
+    got = exp.record_one(engine, hf, prompt, tokens, NEAR_TIE_EPSILON["float32"])
     cont = committed().lookup(prompt)
     assert got.tokens == cont.tokens[:16] and got.runner_up == cont.runner_up[:16]
     assert got.margins == pytest.approx(cont.margins[:16], abs=1e-5)
