@@ -11,9 +11,11 @@ named, a mutant is ``mutant:<name>``.
 These model bug classes from production engines (``docs/bug-classes.md``): leaked KV, leaked
 request rows, stale state after retraction, off-by-one length checks, dropped stop conditions,
 ignored sampling seeds, batch-dependent attention, stale graph padding (a mutant that opens
-with the graph runner on, ``Mutant.graphs``); and one speculative-sampling bug
-(``biased_verify_sampler``), which only shows in the distribution of sampled tokens and is the
-distribution tier's negative control. A mutant with ``spec`` other than "none" behaves exactly
+with the graph runner on, ``Mutant.graphs``), lossless draft-side regressions that only
+acceptance shows (the golden tier's per-step check); and speculative-sampling bugs that only
+show in the distribution of sampled tokens: ``biased_verify_sampler`` (the distribution tier's
+negative control) and verify paths that misapply top-p or temperature. Mutants of shared code
+written as source patches live in ``source_mutants.py``. A mutant with ``spec`` other than "none" behaves exactly
 like the reference engine under plain decoding.
 """
 
