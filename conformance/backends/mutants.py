@@ -15,8 +15,8 @@ with the graph runner on, ``Mutant.graphs``), lossless draft-side regressions th
 acceptance shows (the golden tier's per-step check); and speculative-sampling bugs that only
 show in the distribution of sampled tokens: ``biased_verify_sampler`` (the distribution tier's
 negative control) and verify paths that misapply top-p or temperature. Mutants of shared code
-written as source patches live in ``source_mutants.py``. A mutant with ``spec`` other than "none" behaves exactly
-like the reference engine under plain decoding.
+written as source patches live in ``source_mutants.py``. A mutant with ``spec`` other than
+"none" behaves exactly like the reference engine under plain decoding.
 """
 
 from __future__ import annotations
