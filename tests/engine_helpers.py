@@ -4,6 +4,8 @@ oracle."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,3 +157,12 @@ def mtp_engine(pair: tuple[Path, Path], mtp: Path, config: str | None, overlap: 
     """``spec_engine`` with the Frozen-KV MTP assistant ``mtp``, strict checks on."""
     return spec_engine(pair, config, overlap, draft=mtp, algorithm="frozen_kv_mtp",
                        **{"strict_mem_check": True, **kw})
+
+
+def model_with_eos(model_dir: Path, out: Path, eos: int) -> Path:
+    """A copy of ``model_dir`` at ``out`` whose ``config.json`` names ``eos`` as its EOS."""
+    shutil.copytree(model_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["eos_token_id"] = eos
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import model_with_eos
 from tokenizers import Tokenizer
 
 from conformance import registry
@@ -229,11 +230,7 @@ def test_eos_stops_unless_ignored(tmp_path: Path, random_model_dir: Path,
     """Make the greedy 2nd token of prompt 0 the EOS (config.json, as refengine reads it)."""
     eos = greedy_long[0][1]
     assert eos not in greedy_long[0][:1]
-    model_dir = tmp_path / "eos-model"
-    shutil.copytree(random_model_dir, model_dir)
-    cfg = json.loads((model_dir / "config.json").read_text())
-    cfg["eos_token_id"] = eos
-    (model_dir / "config.json").write_text(json.dumps(cfg))
+    model_dir = model_with_eos(random_model_dir, tmp_path / "eos-model", eos)
     handles = open_pair(model_dir)
     try:
         stop = both(handles, [("eos", prompts[0], SamplingParams(max_new_tokens=8))])["eos"]

@@ -4,15 +4,20 @@ conditions, chunked prefill, seeded sampling, abort in every phase, idle -> busy
 from __future__ import annotations
 
 import gc
-import json
 import random
-import shutil
 import weakref
 from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import LogitsRecorder, Run, drive, hf_greedy, max_logit_diff
+from engine_helpers import (
+    LogitsRecorder,
+    Run,
+    drive,
+    hf_greedy,
+    max_logit_diff,
+    model_with_eos,
+)
 
 from refengine import Engine, EngineConfig, FinishEvent, SamplingParams, TokenEvent
 from refengine.memory.view import bounds_error, conservation_error, idle_error
@@ -166,11 +171,7 @@ def eos_case(random_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
     PROMPTS[3] (and nowhere before): (model dir, eos id, k)."""
     tokens = reference[3][0]
     k = first_new_index(tokens, 4)
-    model = tmp_path_factory.mktemp("eos") / "m"
-    shutil.copytree(random_model_dir, model)
-    cfg = json.loads((model / "config.json").read_text())
-    cfg["eos_token_id"] = tokens[k]
-    (model / "config.json").write_text(json.dumps(cfg))
+    model = model_with_eos(random_model_dir, tmp_path_factory.mktemp("eos") / "m", tokens[k])
     return model, tokens[k], k
 
 

@@ -9,11 +9,11 @@ run, not only against refengine, so a bug shared by both would still show.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from engine_helpers import model_with_eos
 from tokenizers import Tokenizer
 
 from conformance.adapter import (
@@ -190,11 +190,7 @@ def test_eos_stops_unless_ignored(tmp_path: Path, random_model_dir: Path,
     """Make the greedy 2nd token of prompt 0 the EOS: plain decoding stops there."""
     eos = greedy_long[0][1]
     assert eos not in greedy_long[0][:1]
-    model_dir = tmp_path / "eos-model"
-    shutil.copytree(random_model_dir, model_dir)
-    cfg = json.loads((model_dir / "config.json").read_text())
-    cfg["eos_token_id"] = eos
-    (model_dir / "config.json").write_text(json.dumps(cfg))
+    model_dir = model_with_eos(random_model_dir, tmp_path / "eos-model", eos)
     cfg_open = OpenConfig(model=str(model_dir))
     hf2, ref2 = backend().open(cfg_open), refengine_backend().open(cfg_open)
     try:
