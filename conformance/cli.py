@@ -18,6 +18,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from conformance.interrupt_redelivery import keep_interrupts
 from conformance.quick_exit import exit_now
 
 if TYPE_CHECKING:  # the CLI imports heavy modules lazily, inside each command
@@ -539,6 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_interrupts()
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args))

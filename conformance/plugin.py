@@ -29,6 +29,7 @@ import torch
 from conformance.adapter import Backend, Capabilities, OpenConfig, SpecConfig, unclaimed_reasons
 from conformance.case_timeout import CaseDeadline, default_seconds, native_grace
 from conformance.certified import config_record
+from conformance.interrupt_redelivery import keep_interrupts
 from conformance.native_watchdog import (
     WORKER_INPUT_KEY,
     NativeWatchdog,
@@ -187,6 +188,12 @@ def context(config: pytest.Config) -> SuiteContext:
                            config.getoption("--specgate-model"), graphs)
         config._specgate_ctx = ctx  # type: ignore[attr-defined]
     return ctx
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # after every plugin's pytest_configure: pytest's own unraisable-exception hook is in place
+    # by now, and keep_interrupts passes everything but a swallowed Ctrl-C on to it
+    keep_interrupts()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str] | None:

@@ -1,0 +1,72 @@
+"""A Ctrl-C that lands in a garbage-collector callback is raised again in ordinary code
+(``conformance.interrupt_redelivery``); without the hook the interpreter swallows it."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from conformance import interrupt_redelivery
+
+
+@pytest.fixture
+def interrupt_in_next_gc() -> Iterator[None]:
+    """The next collection runs a callback that raises KeyboardInterrupt, as a SIGINT handler
+    does when the signal arrives while Python code of a gc callback runs."""
+    fired = []
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+
+    gc.callbacks.append(callback)
+    before = sys.unraisablehook
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(callback)
+        sys.unraisablehook = before
+
+
+def wait_for_interrupt(seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            time.sleep(0.001)
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
+def test_an_interrupt_swallowed_by_gc_is_raised_again(interrupt_in_next_gc: None) -> None:
+    interrupt_redelivery.keep_interrupts()
+    gc.collect()  # the callback's KeyboardInterrupt cannot propagate out of the collector
+    assert wait_for_interrupt(5.0)
+
+
+def test_without_the_hook_the_interrupt_is_lost(interrupt_in_next_gc: None) -> None:
+    sys.unraisablehook = lambda unraisable: None  # what a bare interpreter does, minus the print
+    gc.collect()
+    assert not wait_for_interrupt(0.5)
+
+
+def test_other_unraisable_exceptions_reach_the_previous_hook() -> None:
+    seen: list[type[BaseException] | None] = []
+    before = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: seen.append(unraisable.exc_type)
+    try:
+        interrupt_redelivery.keep_interrupts()
+
+        class Noisy:
+            def __del__(self) -> None:
+                raise ValueError("from __del__")
+
+        Noisy()
+        assert seen == [ValueError]
+    finally:
+        sys.unraisablehook = before
