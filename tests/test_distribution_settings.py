@@ -18,7 +18,13 @@ from conformance.distribution import JointLaw, exact_law, verify_misapplied_law
 from conformance.oracle import ReferenceOracle
 from conformance.prompts import load_prompt_set
 from conformance.specs import SPECS
-from conformance.suites.test_distribution import ALPHA_PER_SETTING, SETTINGS, TOKENS, Setting
+from conformance.suites.test_distribution import (
+    ALPHA_PER_SETTING,
+    SETTINGS,
+    TOKENS,
+    Setting,
+    settings_for,
+)
 from refengine import Engine, EngineConfig, SamplingParams
 
 pytest_plugins = ["pytester"]
@@ -95,3 +101,13 @@ def test_the_tier_kills_verify_param_bug(pytester: pytest.Pytester, bug: str) ->
 def test_the_false_alarm_budget_is_split_over_the_settings() -> None:
     assert len({s.name for s in SETTINGS}) == len(SETTINGS) >= 4
     assert np.isclose(ALPHA_PER_SETTING * len(SETTINGS), stats.ALPHA)
+
+
+def test_the_gate_settings_cover_both_temperatures_top_k_and_top_p() -> None:
+    """The gate runs a subset (the full profile every setting): between them its settings
+    still sample below and above temperature 1, under top-k and under top-p."""
+    gate = settings_for("gate")
+    assert settings_for("full") == SETTINGS and 0 < len(gate) < len(SETTINGS)
+    assert min(s.temperature for s in gate) < 1 < max(s.temperature for s in gate)
+    assert any(s.top_k > 0 for s in gate) and any(s.top_p < 1 for s in gate)
+    assert any(s.top_k > 0 and s.top_p < 1 for s in gate)
