@@ -25,7 +25,8 @@ turns (their contexts grow from earlier outputs), requests with stop strings, pr
 tests, and any model other than a bundled fixture with recorded outputs. The engine's logits
 are still read for the near-tie judgment of a divergence the committed data cannot settle (a
 backend token other than the recorded runner-up, where the recorded top-2 margin is below the
-epsilon), and for ``next_token_probs`` (the distribution and reproducibility tiers).
+epsilon), and for ``next_token_probs`` (the distribution and reproducibility tiers), whose
+temperature / top-k / top-p processing is the oracle's own (``conformance.sampling_law``).
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ import torch
 from tokenizers import Tokenizer
 
 from conformance.expected import ExpectedOutputs, load_expected
+from conformance.sampling_law import target_law
 from refengine import Engine, EngineConfig, SamplingParams
 from refengine.data import resolve_model_dir
-from refengine.sampler import sampling_probs
 
 # Logits. bfloat16 and float16: about twice the largest change of a top-5 logit gap the
 # reference itself shows in that precision; float32: nine times the largest it shows between
@@ -160,12 +161,14 @@ class ReferenceOracle:
                          ) -> torch.Tensor:
         """``[vocab]`` float64: the distribution of the token after ``prefix_ids`` (prompt and
         output so far) under ``params``' temperature / top-k / top-p, from one scoring prefill
-        (the processing is the engine's own ``sampling_probs``, so the support matches)."""
+        (the processing is the oracle's own, ``conformance.sampling_law``: a sampler bug in the
+        engine under test is not in the law it is held to)."""
         if params.greedy:
             raise ValueError("temperature: next_token_probs needs a sampled request")
         # Only the shaping knobs matter (not seed or length), so requests share entries.
         key = (tuple(prefix_ids), params.temperature, params.top_k, params.top_p)
         if key not in self._probs:
             logits = self.engine.next_token_logits(list(prefix_ids))
-            self._probs[key] = sampling_probs(logits, params)
+            self._probs[key] = target_law(logits, params.temperature, params.top_k,
+                                          params.top_p)
         return self._probs[key]

@@ -1,7 +1,8 @@
 """Source-patch mutants: edits apply to a copy of refengine or fail with one line, the copy is
 what the suite's subprocess imports, and a bug planted in a path the oracle's engine shares
 (the sampler's greedy argmax) is killed by the committed expected outputs, and survives an
-oracle that runs the engine."""
+oracle that runs the engine; a sampler bug shared by plain decoding and verification is killed
+by the oracle's own sampling law, and survives a law shaped by the engine's sampler."""
 
 from __future__ import annotations
 
@@ -61,12 +62,14 @@ def test_the_subprocess_imports_the_patched_copy(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
-def _lossless(tmp_path: Path, *extra: str) -> dict[str, object]:
+def _tier(mutant: sm.SourceMutant, tier: str, tmp_path: Path, *extra: str
+          ) -> dict[str, object]:
+    """One tier of the suite in gate, against ``mutant``, in its patched subprocess."""
     tmp_path.mkdir()
     results = tmp_path / "results.json"
-    opts = SuiteOptions(f"mutant:{MUTANT.name}", MUTANT.spec, "gate", "tiny-code")
-    args = [str(suite_dir() / "test_lossless.py"), *suite_args(opts, results, None)[1:], *extra]
-    done = sm.run_patched(MUTANT, args, python_path=(TESTS,))
+    opts = SuiteOptions(f"mutant:{mutant.name}", mutant.spec, "gate", "tiny-code")
+    args = [str(suite_dir() / f"test_{tier}.py"), *suite_args(opts, results, None)[1:], *extra]
+    done = sm.run_patched(mutant, args, python_path=(TESTS,))
     assert results.exists(), done.stdout[-2000:] + done.stderr[-2000:]
     return json.loads(results.read_text())
 
@@ -81,5 +84,18 @@ def _failed(results: dict[str, object]) -> list[str]:
 def test_committed_outputs_kill_what_a_live_oracle_cannot_see(tmp_path: Path) -> None:
     """The mutant's lossless tier: its oracle running the (patched) engine agrees with it
     everywhere; the committed outputs do not."""
-    assert _failed(_lossless(tmp_path / "live", "-p", "expected_disabled")) == []
-    assert _failed(_lossless(tmp_path / "committed"))
+    assert _failed(_tier(MUTANT, "lossless", tmp_path / "live", "-p", "expected_disabled")) == []
+    assert _failed(_tier(MUTANT, "lossless", tmp_path / "committed"))
+
+
+@pytest.mark.slow
+def test_the_oracles_own_sampling_law_kills_a_shared_sampler_bug(tmp_path: Path) -> None:
+    """A sampler that ignores top-p everywhere: held to a law shaped by that same sampler, the
+    distribution tier's top-p checks find no small support and pass as not applicable; held to
+    the oracle's own law, they fail."""
+    mutant = sm.SOURCE_MUTANTS["sampler_ignores_top_p"]
+    only = ("-k", "test_sampled_tokens_follow_target_distribution")
+    shared = _tier(mutant, "distribution", tmp_path / "engine-law", "-p", "engine_sampling_law",
+                   *only)
+    assert _failed(shared) == []
+    assert _failed(_tier(mutant, "distribution", tmp_path / "own-law", *only))

@@ -58,6 +58,38 @@ SOURCE_MUTANTS: dict[str, SourceMutant] = {m.name: m for m in [
         "together and the lowest token id wins.",
         (SourceEdit("sampler.py", "tokens = torch.argmax(logits, dim=-1).tolist()",
                     "tokens = torch.argmax(logits.to(torch.bfloat16), dim=-1).tolist()"),)),
+    # One per bug class the class mutants plant as subclasses, here in the shared code itself:
+    SourceMutant(
+        "sampler_ignores_top_p",
+        "Top-p ignored in the sampler plain decoding and verification share (sampling "
+        "parameters): an oracle law built with the same sampler would agree with it, and the "
+        "distribution tier would find no prompt with a small enough support and skip.",
+        (SourceEdit("sampler.py", "    if params.top_p < 1.0:",
+                    "    if params.top_p < 0.0:  # BUG: top-p never applied"),),
+        spec="eagle"),
+    SourceMutant(
+        "sampler_ignores_seed",
+        "Every sampled draw is seeded as if the request's seed were 0 (reproducibility): draws "
+        "stay correctly distributed per request, but distinct seeds give one stream.",
+        (SourceEdit("sampler.py", "generator=draw_generator(seed, index)",
+                    "generator=draw_generator(0, index)"),),
+        spec="eagle"),
+    SourceMutant(
+        "stop_string_one_token_late",
+        "Stop strings are looked for in the text before the newest token (stop strings), in "
+        "the finish check plain decoding and speculation share: a string is seen one token "
+        "after the token that completed it.",
+        (SourceEdit("stopping.py", "stop_string_cut(decode(output_ids), params.stop)",
+                    "stop_string_cut(decode(output_ids[:-1]), params.stop)"),),
+        spec="eagle"),
+    SourceMutant(
+        "draft_steps_one_position_late",
+        "The EAGLE draft loop places step-i nodes at s + i instead of s + i - 1 (acceptance "
+        "regression): verification is untouched and output stays lossless; only acceptance "
+        "drops, which only the golden traces see.",
+        (SourceEdit("spec/eagle_v1.py", "positions = (seq[:, None] + (i - 1))",
+                    "positions = (seq[:, None] + i)"),),
+        spec="eagle"),
 ]}
 
 

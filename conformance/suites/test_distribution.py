@@ -12,7 +12,8 @@ Design:
   differently from the plain sampler, or filters in another order than the target's, emits
   another law under some of them. (``SamplingParams`` has no min-p, so none is tested.)
   Each setting is tested against the exact target law under that setting (the oracle applies
-  temperature / top-k / top-p with the engine's own ``sampling_probs``).
+  temperature / top-k / top-p by its own rule, ``conformance.sampling_law``, never the
+  engine's sampler, so a sampler bug shared by plain decoding and verify is not in the law).
 * False alarms: the budget ``stats.ALPHA`` = 1e-6 is the whole test's, split over the settings
   by Bonferroni (``ALPHA_PER_SETTING`` = ALPHA / 4), and each setting is run at that over
   ``stats.TAIL_SAFETY`` to absorb the chi-square approximation's error in the far tail.
