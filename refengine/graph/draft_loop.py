@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from refengine.graph.executors import _finish_layer, _own_code, _project
+from refengine.graph.executors import _finish_layer, _own_code, _project, first_compile_settings
 from refengine.graph.staging import DUMMY_ROW, DUMMY_SLOT, block_attention, pad_to_bucket
 from refengine.memory.kv_pool import KVPool
 from refengine.model.attention import AttentionMetadata
@@ -255,7 +255,5 @@ class DraftLoopGraph:
                 return self._compiled[key](*args, **views)
             self._compiled[key] = torch.compile(_own_code(self._loop), fullgraph=True,
                                                 dynamic=False)
-            # Compilation happens at this first call; the cache flags only matter then.
-            with torch._inductor.config.patch(fx_graph_cache=True), \
-                    torch._functorch.config.patch(enable_autograd_cache=True):
+            with first_compile_settings():  # compilation happens at this first call
                 return self._compiled[key](*args, **views)
