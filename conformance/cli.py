@@ -361,10 +361,16 @@ def cmd_expected(args: argparse.Namespace) -> int:
         _write_atomically(path, recorded.to_json())
         print(f"{line} -> {path}", flush=True)
         return 0
-    same = path.exists() and path.read_text() == recorded.to_json()
-    print(f"{line}: {'matches' if same else 'DIFFERS from' if path.exists() else 'MISSING'} "
-          f"{path}", flush=True)
-    return 0 if same else 1
+    if not path.exists():
+        print(f"{line}: MISSING {path}", flush=True)
+        return 1
+    changed = expected.differences(expected.ExpectedOutputs.from_json(path.read_text()),
+                                   recorded)
+    verdict = ("matches" if not changed else f"DIFFERS ({len(changed)}: {'; '.join(changed[:3])})"
+               f" from")
+    print(f"{line}: {verdict} {path} (margins within {expected.MARGIN_TOLERANCE:g})",
+          flush=True)
+    return 0 if not changed else 1
 
 
 # --- bench ------------------------------------------------------------------------------------

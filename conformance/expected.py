@@ -128,6 +128,40 @@ class ExpectedOutputs:
                    data["eos_token_id"], conts)
 
 
+# A re-recording's margins are differences of float32 logits of magnitude ~10, stored to 6
+# significant digits: on another machine or thread count each logit moves by a few ulps, so a
+# margin moves by up to about 2e-5 whatever its size (1.2e-5 seen on a margin of 0.199, 1.07e-5
+# on one of 7.17). Compared within half the float32 near-tie epsilon (1e-4): a drift that
+# small cannot move a position across the fragility line by more than the noise itself.
+MARGIN_TOLERANCE = 5e-5
+
+
+def differences(committed: ExpectedOutputs, recorded: ExpectedOutputs) -> list[str]:
+    """What a fresh recording changes: everything but the margins exactly, the margins within
+    ``MARGIN_TOLERANCE`` (absolute, in logits)."""
+    found = [f"{name}: {a!r} -> {b!r}" for name, a, b in (
+        ("model", committed.model, recorded.model),
+        ("fixture_digest", committed.fixture_digest, recorded.fixture_digest),
+        ("context_limit", committed.context_limit, recorded.context_limit),
+        ("eos_token_id", committed.eos_token_id, recorded.eos_token_id)) if a != b]
+    for key in sorted(committed.continuations.keys() ^ recorded.continuations.keys()):
+        where = "committed" if key in committed.continuations else "new"
+        found.append(f"prompt {key}: only in the {where} file")
+    for key in sorted(committed.continuations.keys() & recorded.continuations.keys()):
+        a, b = committed.continuations[key], recorded.continuations[key]
+        if (a.prompt_len, a.tokens, a.runner_up, a.hf_near_ties) != (
+                b.prompt_len, b.tokens, b.runner_up, b.hf_near_ties):
+            found.append(f"prompt {key}: tokens, runner-up or near-ties differ")
+            continue
+        moved = [i for i, (x, y) in enumerate(zip(a.margins, b.margins, strict=True))
+                 if abs(x - y) > MARGIN_TOLERANCE]
+        if moved:
+            i = moved[0]
+            found.append(f"prompt {key}: margin at output index {i} {a.margins[i]:.6g} -> "
+                         f"{b.margins[i]:.6g} ({len(moved)} index(es) beyond tolerance)")
+    return found
+
+
 @cache
 def load_expected(model: str) -> ExpectedOutputs | None:
     """The committed outputs for bundled fixture ``model``; None for a model directory, a

@@ -162,6 +162,24 @@ def test_recording_one_prompt_agrees_with_the_committed_file() -> None:
     got = exp.record_one(engine, hf, prompt, tokens, NEAR_TIE_EPSILON["float32"])
     cont = committed().lookup(prompt)
     assert got.tokens == cont.tokens[:16] and got.runner_up == cont.runner_up[:16]
-    # margins are stored to 6 significant digits, and float32 logits of magnitude ~10 differ
-    # between machines and thread counts by a few ulps (1.07e-5 seen on a 7.17 margin in CI)
-    assert got.margins == pytest.approx(cont.margins[:16], rel=1e-5, abs=1e-5)
+    assert got.margins == pytest.approx(cont.margins[:16], rel=0, abs=exp.MARGIN_TOLERANCE)
+
+
+def test_a_re_recording_is_judged_by_content_with_margins_within_tolerance() -> None:
+    """``specgate expected check``: float noise in the margins is no difference; a moved
+    margin beyond the tolerance, or a changed token, is, and is named."""
+    base = committed()
+    key, cont = next(iter(sorted(base.continuations.items())))
+
+    def with_cont(**change: object) -> exp.ExpectedOutputs:
+        return replace(base, continuations={**base.continuations,
+                                            key: replace(cont, **change)})
+
+    noisy = tuple(m + exp.MARGIN_TOLERANCE / 2 for m in cont.margins)
+    assert exp.differences(base, with_cont(margins=noisy)) == []
+    moved = (cont.margins[0] + 3 * exp.MARGIN_TOLERANCE, *cont.margins[1:])
+    assert [d for d in exp.differences(base, with_cont(margins=moved))
+            if "margin at output index 0" in d and key in d]
+    flipped = (cont.runner_up[0], *cont.tokens[1:])
+    assert exp.differences(base, with_cont(tokens=flipped)) == [
+        f"prompt {key}: tokens, runner-up or near-ties differ"]

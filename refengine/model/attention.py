@@ -1,10 +1,13 @@
 """Attention over the paged KV cache, in torch (the CPU path).
 
-One code path serves prefill with a cached prefix (extend), decode, and tree verify: queries are
-padded to ``[batch, max_q]``, each request's keys are gathered through its ``req_to_token`` row,
-and a boolean mask says which key positions each query may see. By default that is causal over
-absolute positions; a request may instead carry a custom mask over its new tokens (the tree mask
-of EAGLE verify), with the whole cached prefix visible.
+One metadata serves prefill with a cached prefix (extend), decode, and tree verify: each
+request's keys are gathered through its ``req_to_token`` row, and a boolean mask says which key
+positions each query may see. By default that is causal over absolute positions; a request may
+instead carry a custom mask over its new tokens (the tree mask of EAGLE verify), with the whole
+cached prefix visible. When every request brings the same number of new tokens (decode, verify,
+draft steps) attention runs once over the ``[batch, max_q, max_kv]`` block; when they differ
+(a batch of prefills) it runs request by request (``ragged_attention``), since padding every
+prompt to the longest one's square costs far more than the loop.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ class AttentionMetadata:
     mask: torch.Tensor
     query_index: torch.Tensor | None = None
     unpad_index: torch.Tensor | None = None
+    # Padded batches only: per request (new tokens, keys, plain causal: no custom mask), for
+    # attention request by request instead of over the padded [batch, max_q, max_kv] block.
+    ragged: tuple[tuple[int, int, bool], ...] | None = None
 
     @classmethod
     def build(cls, req_to_token: torch.Tensor, rows: torch.Tensor, extend_lens: list[int],
@@ -70,7 +76,9 @@ class AttentionMetadata:
         # Padded query rows see position 0 only, so softmax stays finite; their output is dropped.
         mask[:, :, 0] |= ~valid_q
         unpad_index = (torch.arange(len(extend_lens))[:, None] * max_q + i[None, :])[valid_q]
-        return cls(kv_slots, mask[:, None], query_index, unpad_index)
+        ragged = tuple((n, s, custom_masks is None or custom_masks[b] is None)
+                       for b, (n, s) in enumerate(zip(extend_lens, seq_lens, strict=True)))
+        return cls(kv_slots, mask[:, None], query_index, unpad_index, ragged)
 
     def at_queries(self, tokens: torch.Tensor) -> AttentionMetadata:
         """The same keys and visibility for the flat new tokens ``tokens`` only, each its own
@@ -82,9 +90,35 @@ class AttentionMetadata:
         return AttentionMetadata(kv_slots, mask[:, None, None, :])
 
 
+def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """``paged_attention`` of a padded batch, one request at a time: each attends over its own
+    keys only, and a request whose keys are exactly its new tokens under the plain causal mask
+    (a prefill with nothing cached) runs ``is_causal`` with no mask at all, which lets SDPA
+    pick its fused CPU kernel. Measured on 32 default prompts (3343 tokens, longest 402): the
+    padded block spent 0.51 s of a 0.71 s prefill in SDPA's masked path."""
+    assert meta.ragged is not None
+    heads = q.shape[1]
+    outs, start = [], 0
+    for b, (n, s, plain) in enumerate(meta.ragged):
+        qb = q[start:start + n].transpose(0, 1)[None]                     # [1, H, n, D]
+        slots = meta.kv_slots[b, :s]
+        kb = k_cache.index_select(0, slots).transpose(0, 1)[None]         # [1, KVH, s, D]
+        vb = v_cache.index_select(0, slots).transpose(0, 1)[None]
+        causal = plain and s == n
+        out = F.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=None if causal else meta.mask[b:b + 1, :, :n, :s],
+            is_causal=causal, scale=scale, enable_gqa=heads != kb.shape[1])
+        outs.append(out[0].transpose(0, 1))                               # [n, H, D]
+        start += n
+    return torch.cat(outs)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [tokens, heads, dim]; caches: [slots, kv_heads, dim] -> [tokens, heads, dim]."""
+    if meta.ragged is not None:
+        return ragged_attention(q, k_cache, v_cache, meta, scale)
     _, heads, dim = q.shape
     if meta.query_index is None:
         batch, _, max_q, _ = meta.mask.shape
