@@ -22,13 +22,12 @@ from __future__ import annotations
 import _thread
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 # The helper thread waits this long before it interrupts the main thread, which by then has
 # left the hook (the hook returns right after starting it).
 REDELIVERY_DELAY_S = 0.01
-
-_previous_hook = sys.unraisablehook
 
 
 def _interrupt_main_soon() -> None:
@@ -36,18 +35,26 @@ def _interrupt_main_soon() -> None:
     _thread.interrupt_main()
 
 
-def _redeliver_interrupts(unraisable: Any) -> None:
-    if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
-        # _thread, not threading: Thread.start() waits for the thread to run, and an interrupt
-        # raised during that wait, inside this hook, would be swallowed for good
-        _thread.start_new_thread(_interrupt_main_soon, ())
-        return
-    _previous_hook(unraisable)
+class _RedeliverInterrupts:
+    """An unraisable hook: a swallowed Ctrl-C is sent again, anything else goes on to the hook
+    it replaced (its own: a pytest session installs and later restores one of its own around
+    it, and each wrapper keeps the one it saw)."""
+
+    def __init__(self, previous: Callable[[Any], object]) -> None:
+        self.previous = previous
+
+    def __call__(self, unraisable: Any) -> None:
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type,
+                                                          KeyboardInterrupt):
+            # _thread, not threading: Thread.start() waits for the thread to run, and an
+            # interrupt raised during that wait, inside this hook, would be swallowed for good
+            _thread.start_new_thread(_interrupt_main_soon, ())
+            return
+        self.previous(unraisable)
 
 
 def keep_interrupts() -> None:
-    """Install the hook in this process (idempotent)."""
-    if sys.unraisablehook is not _redeliver_interrupts:
-        global _previous_hook
-        _previous_hook = sys.unraisablehook
-        sys.unraisablehook = _redeliver_interrupts
+    """Install the hook in this process, around the current one (once: a no-op when the current
+    hook already is one)."""
+    if not isinstance(sys.unraisablehook, _RedeliverInterrupts):
+        sys.unraisablehook = _RedeliverInterrupts(sys.unraisablehook)

@@ -70,3 +70,27 @@ def test_other_unraisable_exceptions_reach_the_previous_hook() -> None:
         assert seen == [ValueError]
     finally:
         sys.unraisablehook = before
+
+
+def test_after_a_session_restores_its_hook_the_outer_wrapper_reaches_the_original() -> None:
+    """The CLI wraps the interpreter's hook; a pytest session installs its own, which the
+    session's wrapper wraps, and restores the CLI's at its end: that one must still pass
+    exceptions to the interpreter's hook, not to the finished session's."""
+    seen: list[str] = []
+    before = sys.unraisablehook
+    try:
+        sys.unraisablehook = lambda unraisable: seen.append("original")
+        interrupt_redelivery.keep_interrupts()              # the CLI
+        cli_hook = sys.unraisablehook
+        sys.unraisablehook = lambda unraisable: seen.append("session")  # pytest's configure
+        interrupt_redelivery.keep_interrupts()              # the session's wrapper
+        sys.unraisablehook = cli_hook                       # pytest's cleanup
+
+        class Noisy:
+            def __del__(self) -> None:
+                raise ValueError("from __del__")
+
+        Noisy()
+        assert seen == ["original"]
+    finally:
+        sys.unraisablehook = before
