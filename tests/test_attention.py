@@ -41,7 +41,7 @@ def test_matches_per_request_attention(shape: list[tuple[int, int]], uniform: bo
     seq = [p + n for p, n in shape]
     q = torch.randn(sum(extend), HEADS, DIM, generator=gen)
     meta = AttentionMetadata.build(table, torch.arange(len(shape)), extend, seq)
-    assert (meta.query_index is None) == (len(set(extend)) == 1)
+    assert (meta.ragged is None) == (len(set(extend)) == 1)
     out = paged_attention(q, k_cache, v_cache, meta, DIM ** -0.5)
     start = 0
     for row, (prefix, n) in enumerate(shape):

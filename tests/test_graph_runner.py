@@ -211,7 +211,7 @@ def test_fallbacks(probe: RefGraphProbe) -> None:
     with probe.requests(2) as two:
         # A ragged batch (prefill-like: different token counts).
         ragged = graph.prepare_extend(two, [1, 2], [5, 6, 7], [0, 2])
-        assert ragged.attention.query_index is not None and not graph.can_run(ragged)
+        assert ragged.attention.ragged is not None and not graph.can_run(ragged)
     with probe.requests(2) as two:
         # An untagged batch (built by the plain runner).
         plain = runner.prepare_extend(two, [1, 1], [5, 6], [0, 1])

@@ -168,7 +168,7 @@ class GraphRunner:
         if not isinstance(batch, GraphBatch) or batch.rows is None or batch.seq_lens is None:
             return None
         raw = int(batch.rows.shape[0])
-        if raw == 0 or batch.attention.query_index is not None or raw > self.sizes[-1]:
+        if raw == 0 or batch.attention.ragged is not None or raw > self.sizes[-1]:
             return None  # ragged (a prefill mix) or too many requests
         q, rest = divmod(int(batch.input_ids.shape[0]), raw)
         kind = next((k for k, n in self.kinds.items() if n == q), None)
