@@ -26,6 +26,7 @@ from refengine.model.loader import (
     read_config_json,
     require_files,
 )
+from refengine.model.weight_layout import place_for_decoding
 
 EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
 
@@ -75,4 +76,4 @@ class EagleDraftModel(nn.Module):
         if missing or unexpected:
             raise ValueError(f"{path / 'model.safetensors'}: not an EAGLE head (missing "
                              f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
-        return model.to(device).eval()
+        return place_for_decoding(model, device)

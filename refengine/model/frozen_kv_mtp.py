@@ -50,6 +50,7 @@ from refengine.model.loader import (
     read_config_json,
     require_files,
 )
+from refengine.model.weight_layout import place_for_decoding
 
 MTP_ARCHITECTURE = "FrozenKVMTPAssistant"
 MTP_MODEL_TYPE = "frozen_kv_mtp"
@@ -189,7 +190,7 @@ class FrozenKVMTPDraftModel(nn.Module):
         check_state_dict(path, model, weights,
                          "not a Frozen-KV MTP assistant for config.json")
         model.load_state_dict(weights, strict=True)
-        return model.to(device).eval()
+        return place_for_decoding(model, device)
 
 
 def _check_against_target(path: Path, cfg: FrozenKVMTPConfig, target: LlamaForCausalLM) -> None:

@@ -23,6 +23,7 @@ from refengine.model.loader import (
     load_config,
     load_weights,
 )
+from refengine.model.weight_layout import place_for_decoding
 
 ROTARY_HEADROOM = 256
 
@@ -182,4 +183,4 @@ class LlamaForCausalLM(nn.Module):
         model = cls(cfg).to(dtype)
         check_state_dict(path, model, weights, "weights do not match config.json")
         model.load_state_dict(weights, strict=True)
-        return model.to(device).eval()
+        return place_for_decoding(model, device)
