@@ -31,7 +31,13 @@ from typing import Any
 
 import torch
 
-from refengine.graph.executors import _finish_layer, _own_code, _project, first_compile_settings
+from refengine.graph.executors import (
+    _finish_layer,
+    _own_code,
+    _project,
+    compiled_call_settings,
+    first_compile_settings,
+)
 from refengine.graph.staging import DUMMY_ROW, DUMMY_SLOT, block_attention, pad_to_bucket
 from refengine.memory.kv_pool import KVPool
 from refengine.model.attention import AttentionMetadata
@@ -252,7 +258,8 @@ class DraftLoopGraph:
             if self.executor == "replay":
                 return self._loop(*args, **views)
             if key in self._compiled:
-                return self._compiled[key](*args, **views)
+                with compiled_call_settings():
+                    return self._compiled[key](*args, **views)
             self._compiled[key] = torch.compile(_own_code(self._loop), fullgraph=True,
                                                 dynamic=False)
             with first_compile_settings():  # compilation happens at this first call
