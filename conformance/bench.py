@@ -323,23 +323,19 @@ def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, 
 
 
 def format_table(result: BenchResult) -> str:
-    """Tokens/s per batch size and lane, with ratios: the first backend over each other one
-    (``--spec none``), or each speculative configuration over plain decoding (its speedup)."""
-    first, others = result.backends[0], result.backends[1:]
-    speedup = result.spec != "none"
+    """Tokens/s per batch size and lane, with the ratios of ``ratio_pairs``."""
     header = (f"specgate bench: spec={result.spec}  model={result.model}  "
               f"max_new_tokens={result.max_new_tokens}  torch threads={result.threads}"
               + (f"  repeats={result.repeats} (fastest kept)" if result.repeats > 1 else ""))
     lines = [header]
     lines.extend(f"  {name}: {result.versions.get(name, '?')}" for name in result.backends)
+    pairs = ratio_pairs(result)
     columns = ["batch", *(f"{name} tok/s" for name in result.backends),
-               *((f"{n}/{first}" if speedup else f"{first}/{n}") for n in others)]
+               *(f"{a}/{b}" for a, b in pairs)]
     cells = [[str(row.batch_size),
               *(f"{row.results[n].tokens_per_s:,.1f}" for n in result.backends),
-              *((_ratio(row.results[n].tokens_per_s, row.results[first].tokens_per_s)
-                 if speedup else
-                 _ratio(row.results[first].tokens_per_s, row.results[n].tokens_per_s))
-                for n in others)]
+              *(_ratio(row.results[a].tokens_per_s, row.results[b].tokens_per_s)
+                for a, b in pairs)]
              for row in result.rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c)
               for i, c in enumerate(columns)]
@@ -358,6 +354,19 @@ def format_table(result: BenchResult) -> str:
                                             f"{[round(a, 2) for a in t.per_position_acceptance]}  ")
             lines.append(f"  batch {b:>3} {label}: {tau}{phases}")
     return "\n".join(lines)
+
+
+def ratio_pairs(result: BenchResult) -> list[tuple[str, str]]:
+    """(numerator, denominator) lanes of the table's ratio columns. With a spec: each
+    configuration over plain decoding (its speedup). With ``--spec none``: each graph twin of
+    the first backend over its eager lane, then each of the first backend's lanes over each
+    other backend (so "refengine+compiled/hf" is read off, not worked out)."""
+    first, others = result.backends[0], result.backends[1:]
+    if result.spec != "none":
+        return [(n, first) for n in others]
+    twins = [n for n in others if n.startswith(f"{first}+")]
+    foreign = [n for n in others if n not in twins]
+    return [(t, first) for t in twins] + [(own, f) for own in (first, *twins) for f in foreign]
 
 
 def _ratio(a: float, b: float) -> str:

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 from conformance import bench
-from conformance.bench import BenchResult, format_table, parse_batch_sizes, run_bench
+from conformance.bench import (
+    BenchResult,
+    format_table,
+    parse_batch_sizes,
+    ratio_pairs,
+    run_bench,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -172,3 +178,13 @@ def test_parse_batch_sizes() -> None:
     for bad in ("", "1,x", "0", "-2"):
         with pytest.raises(ValueError, match=r"^--batch-sizes"):
             parse_batch_sizes(bad)
+
+
+def test_ratios_set_graph_lanes_beside_eager_and_other_backends() -> None:
+    """``--spec none`` with a graph twin: the twin over its eager lane, and both of the first
+    backend's lanes over the other backend; with a spec, every configuration over plain."""
+    plain = BenchResult("none", "m", 4, 1, ["refengine", "refengine+compiled", "hf"], {})
+    assert ratio_pairs(plain) == [("refengine+compiled", "refengine"), ("refengine", "hf"),
+                                  ("refengine+compiled", "hf")]
+    spec = BenchResult("eagle", "m", 4, 1, ["plain", "plain+compiled", "chain-s3-n4"], {})
+    assert ratio_pairs(spec) == [("plain+compiled", "plain"), ("chain-s3-n4", "plain")]
