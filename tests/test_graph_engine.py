@@ -117,6 +117,7 @@ def test_graph_executor_is_validated() -> None:
 
 
 @pytest.mark.parametrize("executor", ["replay", pytest.param("compiled", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("overlap", [False, True], ids=["v1", "v2"])
 @pytest.mark.parametrize(("algorithm", "config", "kind"), [
     ("eagle", "chain-s3-n4", "draft:eagle"),
     ("eagle", "tree-s3-k4-n8", "draft:eagle"),
@@ -125,15 +126,17 @@ def test_graph_executor_is_validated() -> None:
 ])
 def test_draft_loop_kinds_pass_the_graph_properties(spec_pair: tuple[Path, Path],
                                                     mtp_dir: Path, algorithm: str, config: str,
-                                                    kind: str, executor: str) -> None:
+                                                    kind: str, overlap: bool,
+                                                    executor: str) -> None:
     """The graph tier's properties for the whole draft step, on every raw size 1..8: graph
     == the worker's eager search (MTP: its seed step, then the loop), the padding policy,
-    poisoned tails, no history dependence; MTP's leaves the pool byte-identical. Compiled:
-    one inductor compile per bucket (slow on a cold cache)."""
+    poisoned tails, no history dependence; MTP's leaves the pool byte-identical. V2 (overlap)
+    workers draft over the probe requests' decode reservation. Compiled: one inductor compile
+    per bucket (slow on a cold cache)."""
     limits = {"cuda_graph": True, "graph_executor": executor, "max_running_requests": 8,
               "page_size": 4}
-    engine = (spec_engine(spec_pair, config, **limits) if algorithm == "eagle"
-              else mtp_engine(spec_pair, mtp_dir, config, **limits))
+    engine = (spec_engine(spec_pair, config, overlap, **limits) if algorithm == "eagle"
+              else mtp_engine(spec_pair, mtp_dir, config, overlap, **limits))
     probe = RefGraphProbe.for_engine(engine)
     assert kind in probe.kinds() and probe.writes_kv(kind) == (kind == "draft:eagle")
     checks.check_graph_matches_eager(probe, kind, 0)

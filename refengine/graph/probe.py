@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -396,14 +396,12 @@ class RefGraphProbe:
                 runner, executor, max_bs=config.max_running_requests, verify_tokens=verify,
                 draft_steps=None if spec is None else (spec.topk, spec.num_steps))
 
-        # The draft kinds run a V1 worker's search on the probe's requests. Under overlap the
-        # loop is the same graph, but the worker drafts into a reservation the probe's
-        # requests do not hold, so those kinds are left out there.
+        # The draft kinds run the worker's own search (V1 or, under overlap, V2) on the
+        # probe's requests, set up by ``drafting_from_committed_end``.
         worker = engine.worker
-        v1 = isinstance(worker, EagleV1Worker) and not (spec is not None and spec.overlap)
         return cls(runner, graphs, make,
                    REPLAY_TOLERANCE if executor == "replay" else COMPILED_TOLERANCE,
-                   worker if v1 else None)
+                   worker if isinstance(worker, EagleV1Worker) else None)
 
     # --- the protocol -------------------------------------------------------------------------
 
@@ -478,8 +476,15 @@ class RefGraphProbe:
     def prepared(self, case: GraphCase, mode: Mode) -> Iterator[Prepared]:
         """``case`` built in ``mode`` on a fresh copy of its world, not yet executed."""
         kind = self._kind(case.kind)
-        with self.requests(case.raw, case.seed) as reqs:
+        with self.requests(case.raw, case.seed) as reqs, self._drafting(kind, reqs):
             yield kind.prepare(self, reqs, case.seed, mode)
+
+    def _drafting(self, kind: ProbeKind, reqs: list[Req]) -> AbstractContextManager[None]:
+        """A draft kind's requests as the worker drafts them (a V2 worker: reserved and
+        rooted); left before ``requests`` rolls their allocations back."""
+        if isinstance(kind, DraftLoopKind) and self.worker is not None:
+            return self.worker.drafting_from_committed_end(reqs)
+        return nullcontext()
 
     @contextmanager
     def requests(self, raw: int, seed: int = 0) -> Iterator[list[Req]]:

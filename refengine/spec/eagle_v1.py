@@ -133,6 +133,13 @@ class EagleV1Worker:
         return [r.kv_committed_len for r in reqs]
 
     @contextmanager
+    def drafting_from_committed_end(self, reqs: list[Req]) -> Iterator[None]:
+        """Lets ``reqs`` (committed, in no step) draft one step from their committed end, as
+        if just scheduled for decode: what the graph probe runs a draft kind on. V1 drafts
+        from the committed end anyway and allocates as it goes, so nothing to set up."""
+        yield
+
+    @contextmanager
     def scratch(self, reqs: list[Req], tokens: int) -> Iterator[torch.Tensor]:
         """Draft KV slots for ``tokens`` positions past each root, ``[len(reqs), tokens]``:
         taken from the allocator for the duration of drafting and given back after."""

@@ -88,6 +88,22 @@ class EagleV2Worker(EagleV1Worker):
         # position seq) is output index seq - prompt, so this step's first token is one more.
         return self.seq[req.rid] - len(req.prompt_ids) + 1
 
+    @contextmanager
+    def drafting_from_committed_end(self, reqs: list[Req]) -> Iterator[None]:
+        """V2 drafts over a decode reservation, from the root of the last launched step: give
+        ``reqs`` both (reserved as ``prepare_for_decode`` does, rooted at the committed end),
+        then forget the roots and undo the root's pre-claim. The reservation stays; the
+        caller truncates it."""
+        roots = {req.rid: req.kv_committed_len for req in reqs}
+        self.prepare_for_decode(reqs)
+        self.seq.update(roots)
+        try:
+            yield
+        finally:
+            for req in reqs:
+                self.seq.pop(req.rid, None)
+                self.kv.unclaim(req)
+
     def _reserved(self, reqs: list[Req], tokens: int) -> torch.Tensor:
         """``[len(reqs), tokens]`` reserved slots from each root on."""
         roots = self.roots(reqs)
