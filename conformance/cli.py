@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the CLI imports heavy modules lazily, inside each command
 
 # refengine.config.GRAPH_EXECUTORS, spelled out so building the parser does not import torch
 # (tests/test_cli.py keeps the two equal)
-GRAPH_EXECUTORS = ("compiled", "replay")
+GRAPH_EXECUTORS = ("compiled", "frozen", "replay")
 USAGE_ERROR = 2
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
 
@@ -483,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="each phase of a check (set-up, run, teardown) that takes longer "
                               "fails with the backend call it was in; 0: no limit; default by "
                               "profile: gate 300, full 1200, four times that with --graphs "
-                              "compiled")
+                              "compiled or frozen")
     certify.set_defaults(func=cmd_certify)
 
     gold = sub.add_parser("golden", formatter_class=fmt,

@@ -130,7 +130,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="seconds each phase of a check may take before it fails (0: no "
                          "limit); default by profile: " + ", ".join(
                              f"{p} {default_seconds(p, None):g}" for p in PROFILES)
-                         + ", four times that with --specgate-graphs compiled")
+                         + ", four times that with --specgate-graphs compiled or frozen")
     group.addoption("--specgate-results", default=None,
                     help="write per-check results (JSON) here")
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-GRAPH_EXECUTORS = ("compiled", "replay")  # EngineConfig.graph_executor's values
+GRAPH_EXECUTORS = ("compiled", "frozen", "replay")  # EngineConfig.graph_executor's values
 SPEC_ALGORITHMS = ("eagle", "frozen_kv_mtp", "draft_model")  # SpecConfig.algorithm's values
 
 
@@ -141,11 +141,13 @@ class EngineConfig:
     strict_mem_check: bool = True
     # Target decode and verify forwards through the graph runner (refengine/graph/): staged on
     # static bucket-padded buffers and run by ``graph_executor``: "compiled" (torch.compile
-    # per key, what makes a CPU engine faster; first use of a key compiles it) or "replay"
+    # per key, what makes a CPU engine faster; first use of a key compiles it, once per
+    # machine thanks to inductor's cache), "frozen" (the same with the weights folded into
+    # each key: faster still, but every process compiles each key again) or "replay"
     # (the captured callable run eagerly on the static buffers: staging and padding under test,
     # no speed-up).
     cuda_graph: bool = False
-    graph_executor: Literal["compiled", "replay"] = "compiled"
+    graph_executor: Literal["compiled", "frozen", "replay"] = "compiled"
     seed: int = 0
     retract_every: int = 0  # test hook: retract the middle decoding request every N decode steps
     # Overlap scheduling (SpecConfig(overlap=True)): run each decode step's forwards on a worker

@@ -160,3 +160,28 @@ def test_mtp_graph_loop_runs_a_subclassed_assistant(spec_pair: tuple[Path, Path]
         return [o.output_ids for o in engine.generate(SPEC_PROMPTS, STAGGERED)]
 
     assert run(graphs=True) == run(graphs=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["eagle", "frozen_kv_mtp"])
+def test_frozen_executor_engine_equals_eager(spec_pair: tuple[Path, Path], mtp_dir: Path,
+                                             algorithm: str) -> None:
+    """The "frozen" executor (weights folded into each key, inductor's C++ GEMM templates)
+    through a whole chain engine: the same tokens and acceptance as eager, its verify and
+    draft-loop keys used. Every key compiles in this process (the FX-graph cache cannot hold
+    packed weights), hence batch 1 and short outputs."""
+    def engine(**graphs: object) -> Engine:
+        limits = {"max_running_requests": 1, **graphs}
+        return (spec_engine(spec_pair, "chain-s3-n4", **limits) if algorithm == "eagle"
+                else mtp_engine(spec_pair, mtp_dir, "chain-s3-n4", **limits))
+
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True)] * 2
+    eager = engine().generate(SPEC_PROMPTS[:2], params)
+    frozen = engine(cuda_graph=True, graph_executor="frozen")
+    assert isinstance(frozen.runner, GraphRunner) and frozen.runner.executor.name == "frozen"
+    keys: Counter[GraphKey] = Counter()
+    count_draft_loops(frozen.runner, keys)
+    graphed = frozen.generate(SPEC_PROMPTS[:2], params)
+    assert [o.output_ids for o in graphed] == [o.output_ids for o in eager]
+    assert [o.accept_lens for o in graphed] == [o.accept_lens for o in eager]
+    assert keys, "the draft loop never ran through the frozen executor"

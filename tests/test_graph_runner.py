@@ -260,10 +260,11 @@ def test_compiled_forward_is_exact(make_probe: MakeProbe, probe: RefGraphProbe,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("executor", ["compiled", "compiled-layers"])
+@pytest.mark.parametrize("executor", ["compiled", "compiled-layers", "frozen"])
 def test_compiled_matches_eager(make_probe: MakeProbe, executor: str) -> None:
     """Inductor: within the probe's tolerance of eager, and the KV writes stay in the real
-    slots and the dummy page (a cold compile is tens of seconds per key here, hence slow)."""
+    slots and the dummy page (a cold compile is tens of seconds per key here, hence slow;
+    "frozen" compiles every key again in each process)."""
     probe = make_probe(executor, kv_sizes=[64])
     rec = Recorder(probe)
     for kind in ("decode", "verify-tree"):

@@ -692,7 +692,7 @@ class Mutant:
     spec: str = "none"  # the --spec under which the bug is visible (and which runs it)
     # The graph executor the mutant's engine always opens with (its bug lives in the graph
     # runner, which a run without --graphs would never reach); None: as the suite asks.
-    graphs: Literal["replay", "compiled"] | None = None
+    graphs: Literal["replay", "compiled", "frozen"] | None = None
 
     @property
     def bug_class(self) -> str:

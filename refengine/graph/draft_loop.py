@@ -206,15 +206,17 @@ class DraftLoopGraph:
     then drafts eagerly).
 
     Executors: "replay" calls the loop on the static views; "compiled" compiles it per key
-    (``fullgraph``, static shapes; one code copy per key, as ``CompiledExecutor``)."""
+    (``fullgraph``, static shapes; one code copy per key, as ``CompiledExecutor``); "frozen"
+    compiles it with the draft's weights folded in (``FROZEN_WEIGHTS``)."""
 
     staging_class: type[LoopStaging] = LoopStaging  # the bug zoo swaps in a broken restaging
 
     def __init__(self, draft: EagleDraftModel | FrozenKVMTPDraftModel, pool: KVPool,
                  table: torch.Tensor, topk: int, steps: int, sizes: Sequence[int],
                  kv_sizes: Sequence[int], executor: str) -> None:
-        if executor not in ("replay", "compiled"):
-            raise ValueError(f"draft loop executor: 'replay' or 'compiled', got {executor!r}")
+        if executor not in ("replay", "compiled", "frozen"):
+            raise ValueError(f"draft loop executor: 'replay', 'compiled' or 'frozen', got "
+                             f"{executor!r}")
         self.draft, self.pool, self.table = draft, pool, table
         self.topk, self.steps = topk, steps
         self.sizes, self.kv_sizes = list(sizes), list(kv_sizes)
@@ -262,5 +264,6 @@ class DraftLoopGraph:
                     return self._compiled[key](*args, **views)
             self._compiled[key] = torch.compile(_own_code(self._loop), fullgraph=True,
                                                 dynamic=False)
-            with first_compile_settings():  # compilation happens at this first call
+            # compilation happens at this first call
+            with first_compile_settings(self.executor == "frozen"):
                 return self._compiled[key](*args, **views)

@@ -108,7 +108,7 @@ class GraphRunner:
         self.executor = (self._make_executor(executor) if isinstance(executor, str)
                          else executor)
         # The whole draft step as one graph, for a runner with a draft model: ``draft_steps``
-        # is (topk, num_steps). Its executor is the target's ("replay" or "compiled").
+        # is (topk, num_steps). Its executor is the target's ("replay", "compiled", "frozen").
         self.draft_loop: DraftLoopGraph | None = None
         draft = runner.draft
         # A standalone draft model drafts forward by forward (no loop graph of its kind).
@@ -117,16 +117,18 @@ class GraphRunner:
             assert pool is not None, "an EAGLE head keeps draft KV"
             self.draft_loop = self.draft_loop_class(
                 draft, pool, table, *draft_steps, self.sizes, self.kv_sizes,
-                "replay" if self.executor.name == "replay" else "compiled")
+                self.executor.name if self.executor.name in ("replay", "frozen") else "compiled")
 
     def _make_executor(self, name: str) -> Executor:
         if name == "replay":
             return ReplayExecutor(self.static_forward)
-        if name in ("compiled", "compiled-layers"):
+        if name in ("compiled", "compiled-layers", "frozen"):
             return CompiledExecutor(self.runner.target, self.runner.kv.kv,
                                     self.runner.kv.rows.table,
-                                    split="layers" if name == "compiled-layers" else "whole")
-        raise ValueError(f"executor: 'replay', 'compiled' or 'compiled-layers', got {name!r}")
+                                    split="layers" if name == "compiled-layers" else "whole",
+                                    freeze_weights=name == "frozen")
+        raise ValueError(f"executor: 'replay', 'compiled', 'compiled-layers' or 'frozen', got "
+                         f"{name!r}")
 
     def static_forward(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
         """The captured callable: the model's own forward over the padded static views."""
