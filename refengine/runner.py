@@ -27,6 +27,7 @@ class ModelRunner:
     # A runner that replays whole draft steps (the graph runner's ``DraftLoopGraph``); the
     # eager runner has none, so workers draft forward by forward.
     draft_loop = None
+    draft_extend = None  # ... and EAGLE draft-extends (``GraphRunner.draft_extend``)
 
     def __init__(self, target: LlamaForCausalLM,
                  draft: EagleDraftModel | FrozenKVMTPDraftModel | StandaloneDraftModel | None,

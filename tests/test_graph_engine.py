@@ -121,6 +121,7 @@ def test_graph_executor_is_validated() -> None:
 @pytest.mark.parametrize(("algorithm", "config", "kind"), [
     ("eagle", "chain-s3-n4", "draft:eagle"),
     ("eagle", "tree-s3-k4-n8", "draft:eagle"),
+    ("eagle", "chain-s3-n4", "extend:eagle"),
     ("frozen_kv_mtp", "chain-s3-n4", "draft:mtp"),
     ("frozen_kv_mtp", "tree-s3-k4-n8", "draft:mtp"),
 ])
@@ -128,8 +129,9 @@ def test_draft_loop_kinds_pass_the_graph_properties(spec_pair: tuple[Path, Path]
                                                     mtp_dir: Path, algorithm: str, config: str,
                                                     kind: str, overlap: bool,
                                                     executor: str) -> None:
-    """The graph tier's properties for the whole draft step, on every raw size 1..8: graph
-    == the worker's eager search (MTP: its seed step, then the loop), the padding policy,
+    """The graph tier's properties for the whole draft step (and EAGLE's draft-extend), on
+    every raw size 1..8: graph == the worker's eager search (MTP: its seed step, then the
+    loop; extend: the head's eager forward), the padding policy,
     poisoned tails, no history dependence; MTP's leaves the pool byte-identical. V2 (overlap)
     workers draft over the probe requests' decode reservation. Compiled: one inductor compile
     per bucket (slow on a cold cache)."""
@@ -138,7 +140,7 @@ def test_draft_loop_kinds_pass_the_graph_properties(spec_pair: tuple[Path, Path]
     engine = (spec_engine(spec_pair, config, overlap, **limits) if algorithm == "eagle"
               else mtp_engine(spec_pair, mtp_dir, config, overlap, **limits))
     probe = RefGraphProbe.for_engine(engine)
-    assert kind in probe.kinds() and probe.writes_kv(kind) == (kind == "draft:eagle")
+    assert kind in probe.kinds() and probe.writes_kv(kind) == kind.endswith(":eagle")
     checks.check_graph_matches_eager(probe, kind, 0)
     checks.check_padding_policy(probe, kind)
     checks.check_poisoned_padding(probe, kind)

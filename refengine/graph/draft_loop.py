@@ -1,7 +1,7 @@
 """The draft loop as one graph: a whole draft step (every forward, the top-k and the beam
 bookkeeping) replayed on static, bucket-padded buffers.
 
-Two loops, one per draft kind:
+Two loops, one per draft kind, and EAGLE's draft-extend:
 
 * ``draft:eagle``: the ``S - 1`` forwards of the EAGLE head from the step's ``DraftInput``;
   each writes the head's KV into the step's scratch slots (staged, one row per request) and
@@ -12,8 +12,11 @@ Two loops, one per draft kind:
   Every buffer, ``bonus_tokens`` included, is restaged on every replay: a buffer left as it
   was captured would replay an earlier step's tokens (outputs stay lossless, acceptance
   silently drops).
+* ``extend:eagle``: the EAGLE head over each request's accepted tokens after verify (the
+  draft-extend), right-aligned in ``N`` columns; it writes the head's KV for every row and
+  predicts from the last one.
 
-Both end with ``search`` (``refengine/spec/draft_search.py``: the chain or the beam), the
+The loops end with ``search`` (``refengine/spec/draft_search.py``: the chain or the beam), the
 same search the eager draft runs, so only the forwards differ: here their attention metadata
 is derived inside the graph from the staged rows and lengths (``block_attention``) at a fixed
 key width. Tree assembly stays eager, in the worker.
@@ -75,6 +78,15 @@ LOOP_FIELDS: dict[str, dict[str, LoopField]] = {
                            "the dummy row, whose every slot is the dummy slot"),
         "scratch": LoopField(("scratch",), "int64", DUMMY_SLOT, "the padded rows' draft KV "
                              "lands in the reserved page, which no request owns"),
+    },
+    "extend:eagle": {
+        "ids": LoopField(("N",), "int64", 0, _TOKEN.why),
+        "hidden": LoopField(("N", "H"), "hidden", 0.0, _HIDDEN.why),
+        "rows": _ROWS,
+        "ends": LoopField((), "int64", 1, "the kept query sits at position 0 and sees column 0 "
+                          "of the dummy row only"),
+        "slots": LoopField(("N",), "int64", DUMMY_SLOT, "the padded rows' head KV lands in the "
+                           "reserved page, which no request owns"),
     },
     "draft:mtp": {
         "bonus_tokens": _TOKEN,
@@ -159,6 +171,34 @@ def eagle_loop(draft: EagleDraftModel, pool: KVPool, table: torch.Tensor, topk: 
     return search(topk_p, topk_index, hidden, steps, forward)
 
 
+def eagle_extend(draft: EagleDraftModel, pool: KVPool, table: torch.Tensor, topk: int,
+                 steps: int, max_kv: int, ids: torch.Tensor, hidden: torch.Tensor,
+                 rows: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE's draft-extend (``EagleV1Worker.draft_extend``) on ``N`` rows per request: its
+    accepted tokens right-aligned, ending before ``ends`` (the root), after front padding
+    (token 0, zero features, the dummy slot). Every row writes the head's KV; only each
+    request's last row, its newest accepted token, goes on through attention, MLP, norm and
+    LM head, as the eager forward's ``keep`` does. -> (logits, predicted features), a row per
+    request."""
+    b, n = ids.shape
+    columns = torch.arange(n, device=ids.device)
+    positions = (ends[:, None] - n + columns).clamp(min=0).reshape(-1)
+    x = draft.fc(torch.cat([draft._embed(ids.reshape(-1)),
+                            hidden.reshape(b * n, -1).to(draft.fc.weight.dtype)], dim=-1))
+    rope = draft._rotary.at(positions, x.dtype)
+    layer = draft.layers[0]
+    q, k, v = _project(layer, x, rope.cos, rope.sin)
+    torch.ops.refengine.write_kv(pool.k, pool.v, 0, slots.reshape(-1), k, v)
+    last = torch.arange(b, device=ids.device) * n + (n - 1)
+    meta = block_attention(rows, ends - 1, torch.ones((b, 1, 1), dtype=torch.bool,
+                                                      device=ids.device), table, max_kv)
+    x = _finish_layer(layer, x.index_select(0, last), q.index_select(0, last), pool.k[0],
+                      pool.v[0], meta.kv_slots, meta.mask)
+    predicted = draft.norm(x)
+    return draft._lm_head(predicted).float(), predicted
+
+
 def mtp_draft_forward(draft: FrozenKVMTPDraftModel, tokens: torch.Tensor, hidden: torch.Tensor,
                       positions: torch.Tensor, meta: AttentionMetadata, pool: KVPool
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,9 +234,17 @@ def mtp_loop(draft: FrozenKVMTPDraftModel, pool: KVPool, table: torch.Tensor, to
     return search(topk_p, topk_index, seed_hidden, steps, forward)
 
 
-def _slice(out: LoopOutput, raw: int) -> LoopOutput:
+GraphOutput = LoopOutput | tuple[torch.Tensor, torch.Tensor]  # a loop's, or extend's
+LOOPS: dict[str, Callable[..., GraphOutput]] = {
+    "draft:eagle": eagle_loop, "draft:mtp": mtp_loop, "extend:eagle": eagle_extend}
+LENGTHS = {"draft:eagle": "roots", "draft:mtp": "seq_lens", "extend:eagle": "ends"}
+
+
+def _slice(out: GraphOutput, raw: int) -> GraphOutput:
     if isinstance(out, Candidates):
         return Candidates(out.scores[:raw], out.tokens[:raw], out.parents[:raw])
+    if isinstance(out, tuple):
+        return (out[0][:raw], out[1][:raw])
     return out[:raw]
 
 
@@ -213,7 +261,9 @@ class DraftLoopGraph:
 
     def __init__(self, draft: EagleDraftModel | FrozenKVMTPDraftModel, pool: KVPool,
                  table: torch.Tensor, topk: int, steps: int, sizes: Sequence[int],
-                 kv_sizes: Sequence[int], executor: str) -> None:
+                 kv_sizes: Sequence[int], executor: str, extend_rows: int = 0) -> None:
+        """``extend_rows`` > 0 (an EAGLE head): the graph of the head's draft-extend over that
+        many rows per request ("extend:eagle") instead of the draft loop."""
         if executor not in ("replay", "compiled", "frozen"):
             raise ValueError(f"draft loop executor: 'replay', 'compiled' or 'frozen', got "
                              f"{executor!r}")
@@ -221,11 +271,13 @@ class DraftLoopGraph:
         self.topk, self.steps = topk, steps
         self.sizes, self.kv_sizes = list(sizes), list(kv_sizes)
         self.executor = executor
-        self.kind = "draft:eagle" if isinstance(draft, EagleDraftModel) else "draft:mtp"
-        self._loop = eagle_loop if self.kind == "draft:eagle" else mtp_loop
-        hidden = (draft.config.hidden_size if isinstance(draft, EagleDraftModel)
-                  else draft.config.target_hidden_size)
-        dims = {"k": topk, "H": hidden, "scratch": topk * (steps - 1)}
+        eagle = isinstance(draft, EagleDraftModel)
+        if extend_rows and not eagle:
+            raise ValueError("an extend graph needs an EAGLE head")
+        self.kind = ("extend:eagle" if extend_rows else "draft:eagle") if eagle else "draft:mtp"
+        self._loop = LOOPS[self.kind]
+        hidden = draft.config.hidden_size if eagle else draft.config.target_hidden_size
+        dims = {"k": topk, "H": hidden, "scratch": topk * (steps - 1), "N": extend_rows}
         dtype = (draft.fc.weight.dtype if isinstance(draft, EagleDraftModel)
                  else draft.pre_projection.weight.dtype)
         self.staging = self.staging_class(self.kind, self.sizes[-1], dims, dtype, table.device)
@@ -244,9 +296,9 @@ class DraftLoopGraph:
         return (pad_to_bucket(raw, self.sizes),
                 self.kv_sizes[bisect.bisect_left(self.kv_sizes, longest)])
 
-    def run(self, inputs: dict[str, torch.Tensor]) -> LoopOutput | None:
+    def run(self, inputs: dict[str, torch.Tensor]) -> GraphOutput | None:
         raw = int(inputs["rows"].shape[0])
-        key = self.key(raw, inputs["roots" if self.kind == "draft:eagle" else "seq_lens"])
+        key = self.key(raw, inputs[LENGTHS[self.kind]])
         if key is None:
             return None
         bucket, max_kv = key
@@ -254,7 +306,34 @@ class DraftLoopGraph:
                 f"graph[{self.kind} raw={raw} bucket={bucket} kv={max_kv} {self.executor}]"):
             return _slice(self.execute(key, self.staging.stage(inputs, bucket)), raw)
 
-    def execute(self, key: tuple[int, int], views: dict[str, torch.Tensor]) -> LoopOutput:
+    def extend(self, rows: torch.Tensor, ends: torch.Tensor, accept_lens: torch.Tensor,
+               ids: torch.Tensor, hidden: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An "extend:eagle" graph run from the eager draft-extend's inputs: request i's
+        ``accept_lens[i]`` tokens and features (flat, in request order) end before ``ends[i]``;
+        they are right-aligned in ``N`` columns, the front padded (token 0, zero features, the
+        dummy slot). None when the graph does not take the batch."""
+        assert self.kind == "extend:eagle"
+        b, n = rows.shape[0], self.staging.buffers["ids"].shape[1]
+        if b == 0 or int(accept_lens.max()) > n:
+            return None
+        # Flat row r of request i (its j-th accepted token) goes to column n - a_i + j.
+        owner = torch.repeat_interleave(torch.arange(b), accept_lens)
+        first = torch.cumsum(accept_lens, 0) - accept_lens
+        j = torch.arange(owner.shape[0]) - first[owner]
+        column = n - accept_lens[owner] + j
+        padded_ids = torch.zeros((b, n), dtype=torch.int64)
+        padded_hidden = torch.zeros((b, n, hidden.shape[-1]), dtype=hidden.dtype)
+        slots = torch.full((b, n), DUMMY_SLOT, dtype=torch.int64)
+        padded_ids[owner, column] = ids
+        padded_hidden[owner, column] = hidden
+        slots[owner, column] = self.table[rows[owner], ends[owner] - accept_lens[owner] + j]
+        found = self.run({"ids": padded_ids, "hidden": padded_hidden, "rows": rows,
+                          "ends": ends, "slots": slots})
+        assert found is None or isinstance(found, tuple)
+        return found
+
+    def execute(self, key: tuple[int, int], views: dict[str, torch.Tensor]) -> GraphOutput:
         args = (self.draft, self.pool, self.table, self.topk, self.steps, key[1])
         with torch.inference_mode():
             if self.executor == "replay":

@@ -43,7 +43,7 @@ from refengine.request import Req
 from refengine.runner import ModelRunner
 from refengine.spec.draft_search import Candidates, LoopOutput
 from refengine.spec.eagle_v1 import EagleV1Worker
-from refengine.spec.inputs import DraftInput, SeedInput, VerifyInput
+from refengine.spec.inputs import DraftExtendInput, DraftInput, SeedInput, VerifyInput
 
 if TYPE_CHECKING:
     from refengine.engine import Engine
@@ -294,6 +294,66 @@ class DraftLoopKind:
         return Prepared(execute, targets, key[0], loop.staging.buffers, self.padded_names)
 
 
+@dataclass(frozen=True)
+class DraftExtendKind:
+    """EAGLE's draft-extend: eager = the worker's head forward over each request's accepted
+    tokens; graph = the extend graph (``DraftLoopGraph`` of kind "extend:eagle"). Inputs are
+    seeded: 1..N accepted tokens per request ending at its committed end (the root), with
+    random features. The head writes its KV at those positions' slots (the targets)."""
+
+    writes_kv = True
+    padded_names: Mapping[str, str]     # staged buffer -> protocol name
+
+    def available(self, probe: RefGraphProbe) -> bool:
+        return probe.draft_extend() is not None
+
+    def length_fill(self, probe: RefGraphProbe) -> int:
+        return 1
+
+    def prepare(self, probe: RefGraphProbe, reqs: list[Req], seed: int, mode: Mode
+                ) -> Prepared:
+        worker, graph = probe.worker, probe.draft_extend()
+        assert worker is not None and graph is not None
+        n, hidden_size = graph.staging.buffers["hidden"].shape[1:]
+        gen = torch.Generator().manual_seed(10_007 * seed + 29)
+        ends = torch.tensor(worker.roots(reqs), dtype=torch.int64)
+        lens = torch.minimum(torch.randint(1, n + 1, (len(reqs),), generator=gen), ends)
+        total = int(lens.sum())
+        ids = torch.randint(1, probe.vocab_size, (total,), generator=gen)
+        hidden = torch.randn((total, hidden_size), generator=gen).to(
+            graph.staging.buffers["hidden"].dtype)
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
+        owner = torch.repeat_interleave(torch.arange(len(reqs)), lens)
+        positions = torch.cat([torch.arange(int(e) - int(a), int(e))
+                               for e, a in zip(ends, lens, strict=True)])
+        targets = probe.kv.rows.table[rows[owner], positions].clone()
+        ext = DraftExtendInput(hidden, ids, lens)
+        if mode == "eager":
+            def eager() -> dict[str, torch.Tensor]:
+                fb = worker.runner.prepare_draft_extend(reqs, ext, ends.tolist())
+                return extend_outputs(worker.runner.forward_draft(fb, hidden))
+            return Prepared(eager, targets, len(reqs))
+        key = graph.key(len(reqs), ends)
+        if key is None:
+            raise RuntimeError(f"graph probe: {len(reqs)} requests do not replay on the "
+                               "'extend:eagle' graph; a graph run that fell back to eager "
+                               "would prove nothing")
+
+        def execute() -> dict[str, torch.Tensor]:
+            found = graph.extend(rows, ends, lens, ids, hidden)
+            assert found is not None
+            return extend_outputs(found)
+
+        return Prepared(execute, targets, key[0], graph.staging.buffers, self.padded_names)
+
+
+def extend_outputs(found: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A draft-extend's result: the head's logits, greedy tokens and predicted features at
+    each request's newest accepted token."""
+    logits, predicted = found
+    return {"logits": logits, "next_tokens": logits.argmax(-1), "features": predicted}
+
+
 def loop_outputs(found: LoopOutput) -> dict[str, torch.Tensor]:
     """A draft step's result: a chain's tokens, or a beam's candidates."""
     if isinstance(found, Candidates):
@@ -312,6 +372,8 @@ KINDS: dict[str, ProbeKind] = {
         "roots": "lengths"}),
     "draft:mtp": DraftLoopKind("draft:mtp", False, 1, {
         "rows": "request_rows", "bonus_tokens": "token_ids", "seq_lens": "lengths"}),
+    "extend:eagle": DraftExtendKind({
+        "rows": "request_rows", "slots": "out_slots", "ids": "token_ids", "ends": "lengths"}),
 }
 
 
@@ -466,6 +528,12 @@ class RefGraphProbe:
         """The draft loop of the graph runner that replays decode (None without a draft)."""
         return self.graph("decode").draft_loop if self.worker is not None else None
 
+    def draft_extend(self) -> DraftLoopGraph | None:
+        """The EAGLE extend graph of the graph runner that replays verify (None without)."""
+        if self.worker is None or "verify" not in self.graph("decode").kinds:
+            return None
+        return self.graph("verify").draft_extend
+
     @property
     def verify_tokens(self) -> int:
         return self.graph("verify").kinds["verify"]
@@ -482,7 +550,7 @@ class RefGraphProbe:
     def _drafting(self, kind: ProbeKind, reqs: list[Req]) -> AbstractContextManager[None]:
         """A draft kind's requests as the worker drafts them (a V2 worker: reserved and
         rooted); left before ``requests`` rolls their allocations back."""
-        if isinstance(kind, DraftLoopKind) and self.worker is not None:
+        if isinstance(kind, (DraftLoopKind, DraftExtendKind)) and self.worker is not None:
             return self.worker.drafting_from_committed_end(reqs)
         return nullcontext()
 

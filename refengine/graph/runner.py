@@ -110,14 +110,21 @@ class GraphRunner:
         # The whole draft step as one graph, for a runner with a draft model: ``draft_steps``
         # is (topk, num_steps). Its executor is the target's ("replay", "compiled", "frozen").
         self.draft_loop: DraftLoopGraph | None = None
+        # An EAGLE head's draft-extend as a graph too (N rows per request, the verify width).
+        self.draft_extend: DraftLoopGraph | None = None
         draft = runner.draft
         # A standalone draft model drafts forward by forward (no loop graph of its kind).
         if draft_steps is not None and isinstance(draft, (EagleDraftModel, FrozenKVMTPDraftModel)):
             pool = runner.kv.draft_kv if isinstance(draft, EagleDraftModel) else runner.kv.kv
             assert pool is not None, "an EAGLE head keeps draft KV"
+            loop_executor = (self.executor.name if self.executor.name in ("replay", "frozen")
+                             else "compiled")
             self.draft_loop = self.draft_loop_class(
-                draft, pool, table, *draft_steps, self.sizes, self.kv_sizes,
-                self.executor.name if self.executor.name in ("replay", "frozen") else "compiled")
+                draft, pool, table, *draft_steps, self.sizes, self.kv_sizes, loop_executor)
+            if isinstance(draft, EagleDraftModel) and "verify" in self.kinds:
+                self.draft_extend = DraftLoopGraph(
+                    draft, pool, table, *draft_steps, self.sizes, self.kv_sizes, loop_executor,
+                    extend_rows=self.kinds["verify"])
 
     def _make_executor(self, name: str) -> Executor:
         if name == "replay":

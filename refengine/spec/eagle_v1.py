@@ -332,8 +332,18 @@ class EagleV1Worker:
     # --- draft-extend -----------------------------------------------------------------------
 
     def draft_extend(self, reqs: list[Req], ext: DraftExtendInput) -> DraftInput:
-        """The head over each request's accepted positions (already committed)."""
-        fb = self.runner.prepare_draft_extend(reqs, ext, self.roots(reqs))
-        logits, predicted = self.runner.forward_draft(fb, ext.hidden_states)
+        """The head over each request's accepted positions (already committed): replayed by
+        the graph runner's extend graph when it takes the batch, else forward by forward."""
+        roots = self.roots(reqs)
+        last = torch.cumsum(ext.accept_lens, 0) - 1  # each request's newest accepted token
+        graph = self.runner.draft_extend
+        found = None if graph is None or not reqs else graph.extend(
+            torch.tensor([r.row for r in reqs], dtype=torch.int64),
+            torch.tensor(roots, dtype=torch.int64), ext.accept_lens, ext.input_ids,
+            ext.hidden_states)
+        if found is None:
+            fb = self.runner.prepare_draft_extend(reqs, ext, roots)
+            found = self.runner.forward_draft(fb, ext.hidden_states)
+        logits, predicted = found
         topk_p, topk_index = top_k(logits, self.spec.topk)
-        return DraftInput(topk_p, topk_index, predicted, ext.input_ids[fb.logits_index])
+        return DraftInput(topk_p, topk_index, predicted, ext.input_ids[last])
