@@ -34,7 +34,7 @@ from conformance.backends.refengine import RefEngineBackend, RefEngineHandle
 from refengine import Engine
 from refengine.graph.draft_loop import DraftLoopGraph, LoopStaging
 from refengine.graph.runner import GraphRunner
-from refengine.graph.staging import StagedViews, Staging, StepInputs
+from refengine.graph.staging import DUMMY_SLOT, StagedViews, Staging, StepInputs
 from refengine.memory.kv_pool import KVPool
 from refengine.memory.manager import KVManager
 from refengine.memory.view import ceil_page
@@ -562,6 +562,38 @@ class BonusTokensNotRestaged(Engine):
     graph_runner_class = _CaptureTimeBonusGraphRunner
 
 
+class _RealColumnsOnly(LoopStaging):
+    """Stages a draft-extend's slots column by column for the accepted tokens only: the front
+    padding inside a real request's row keeps whatever an earlier replay staged there."""
+
+    def restage(self, name: str, buf: torch.Tensor, value: torch.Tensor | None, raw: int,
+                bucket: int) -> None:
+        if name == "slots" and value is not None:
+            real = value != DUMMY_SLOT
+            buf[:raw][real] = value[real]  # BUG: padded columns keep a stale request's slots
+            buf[raw:bucket] = self.fields[name].fill
+            return
+        super().restage(name, buf, value, raw, bucket)
+
+
+class _RealColumnsOnlyLoop(DraftLoopGraph):
+    staging_class = _RealColumnsOnly
+
+
+class _RealColumnsOnlyGraphRunner(GraphRunner):
+    draft_loop_class = _RealColumnsOnlyLoop
+
+
+class ExtendPaddingNotRestaged(Engine):
+    """Draft-extend padding not restaged: a graphed EAGLE draft-extend pads each request's
+    accepted tokens to a fixed width, and the padded columns' KV slots are left as an earlier
+    replay staged them, so the head writes junk KV into slots that now belong to live
+    positions. Verify still decides every token (output stays lossless); the drafts that read
+    that KV get worse."""
+
+    graph_runner_class = _RealColumnsOnlyGraphRunner
+
+
 class _DraftPositionsShifted(ModelRunner):
     def prepare_draft_step(self, reqs: list[Req], tokens: torch.Tensor, positions: torch.Tensor,
                            slots: torch.Tensor, width: int, seen: list[int],
@@ -721,6 +753,8 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("frozen_draft_writes_kv", FrozenDraftWritesKV, spec="mtp"),
     Mutant("stale_padded_rows", StalePaddedRows, graphs="replay"),
     Mutant("bonus_tokens_not_restaged", BonusTokensNotRestaged, spec="mtp", graphs="replay"),
+    Mutant("extend_padding_not_restaged", ExtendPaddingNotRestaged, spec="eagle",
+           graphs="replay"),
     Mutant("seed_ignored", SeedIgnored),
     Mutant("seed_by_batch_row", SeedByBatchRow, spec="eagle"),
     Mutant("stop_string_at_run_end", StopStringAtRunEnd, spec="eagle"),

@@ -122,7 +122,7 @@ class GraphRunner:
             self.draft_loop = self.draft_loop_class(
                 draft, pool, table, *draft_steps, self.sizes, self.kv_sizes, loop_executor)
             if isinstance(draft, EagleDraftModel) and "verify" in self.kinds:
-                self.draft_extend = DraftLoopGraph(
+                self.draft_extend = self.draft_loop_class(
                     draft, pool, table, *draft_steps, self.sizes, self.kv_sizes, loop_executor,
                     extend_rows=self.kinds["verify"])
 
