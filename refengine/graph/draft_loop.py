@@ -64,6 +64,8 @@ _TOKEN = LoopField((), "int64", 0, "token 0 is in every vocabulary: the embeddin
                    "in bounds; the row's outputs are sliced away")
 _HIDDEN = LoopField(("H",), "hidden", 0.0, "finite, so nothing a padded row computes is NaN "
                     "(a NaN written to the dummy page would be read back by every padded row)")
+_DUMMY_PAGE = ("the padded rows' draft KV lands in the reserved page, which no request "
+               "owns")
 _ROWS = LoopField((), "int64", DUMMY_ROW, "the reserved row is never written, so every key "
                   "slot gathered through it is the dummy slot; a stale real row here would read "
                   "another request's KV")
@@ -76,8 +78,7 @@ LOOP_FIELDS: dict[str, dict[str, LoopField]] = {
         "rows": _ROWS,
         "roots": LoopField((), "int64", 0, "no prefix: the scratch block starts at column 0 of "
                            "the dummy row, whose every slot is the dummy slot"),
-        "scratch": LoopField(("scratch",), "int64", DUMMY_SLOT, "the padded rows' draft KV "
-                             "lands in the reserved page, which no request owns"),
+        "scratch": LoopField(("scratch",), "int64", DUMMY_SLOT, _DUMMY_PAGE),
     },
     "extend:eagle": {
         "ids": LoopField(("N",), "int64", 0, _TOKEN.why),
@@ -85,8 +86,7 @@ LOOP_FIELDS: dict[str, dict[str, LoopField]] = {
         "rows": _ROWS,
         "ends": LoopField((), "int64", 1, "the kept query sits at position 0 and sees column 0 "
                           "of the dummy row only"),
-        "slots": LoopField(("N",), "int64", DUMMY_SLOT, "the padded rows' head KV lands in the "
-                           "reserved page, which no request owns"),
+        "slots": LoopField(("N",), "int64", DUMMY_SLOT, _DUMMY_PAGE),
     },
     "draft:mtp": {
         "bonus_tokens": _TOKEN,
