@@ -545,12 +545,10 @@ class _CaptureTimeBonusTokens(LoopStaging):
         super().restage(name, buf, value, raw, bucket)
 
 
-class _CaptureTimeBonusLoop(DraftLoopGraph):
-    staging_class = _CaptureTimeBonusTokens
-
-
-class _CaptureTimeBonusGraphRunner(GraphRunner):
-    draft_loop_class = _CaptureTimeBonusLoop
+def loop_staging_runner(staging: type[LoopStaging]) -> type[GraphRunner]:
+    """A graph runner whose draft loops and extend graph stage through ``staging``."""
+    loop = type(f"{staging.__name__}Loop", (DraftLoopGraph,), {"staging_class": staging})
+    return type(f"{staging.__name__}GraphRunner", (GraphRunner,), {"draft_loop_class": loop})
 
 
 class BonusTokensNotRestaged(Engine):
@@ -559,7 +557,7 @@ class BonusTokensNotRestaged(Engine):
     so every later replay seeds the draft with an earlier step's tokens. Verify still decides
     every token (output stays lossless); only acceptance drops."""
 
-    graph_runner_class = _CaptureTimeBonusGraphRunner
+    graph_runner_class = loop_staging_runner(_CaptureTimeBonusTokens)
 
 
 class _RealColumnsOnly(LoopStaging):
@@ -576,14 +574,6 @@ class _RealColumnsOnly(LoopStaging):
         super().restage(name, buf, value, raw, bucket)
 
 
-class _RealColumnsOnlyLoop(DraftLoopGraph):
-    staging_class = _RealColumnsOnly
-
-
-class _RealColumnsOnlyGraphRunner(GraphRunner):
-    draft_loop_class = _RealColumnsOnlyLoop
-
-
 class ExtendPaddingNotRestaged(Engine):
     """Draft-extend padding not restaged: a graphed EAGLE draft-extend pads each request's
     accepted tokens to a fixed width, and the padded columns' KV slots are left as an earlier
@@ -591,7 +581,7 @@ class ExtendPaddingNotRestaged(Engine):
     positions. Verify still decides every token (output stays lossless); the drafts that read
     that KV get worse."""
 
-    graph_runner_class = _RealColumnsOnlyGraphRunner
+    graph_runner_class = loop_staging_runner(_RealColumnsOnly)
 
 
 class _DraftPositionsShifted(ModelRunner):

@@ -322,17 +322,12 @@ class DraftExtendKind:
         ids = torch.randint(1, probe.vocab_size, (total,), generator=gen)
         hidden = torch.randn((total, hidden_size), generator=gen).to(
             graph.staging.buffers["hidden"].dtype)
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
-        owner = torch.repeat_interleave(torch.arange(len(reqs)), lens)
-        positions = torch.cat([torch.arange(int(e) - int(a), int(e))
-                               for e, a in zip(ends, lens, strict=True)])
-        targets = probe.kv.rows.table[rows[owner], positions].clone()
+        targets = torch.cat([probe.kv.rows.table[r.row, e - a:e] for r, e, a
+                             in zip(reqs, ends.tolist(), lens.tolist(), strict=True)])
         ext = DraftExtendInput(hidden, ids, lens)
         if mode == "eager":
-            def eager() -> dict[str, torch.Tensor]:
-                fb = worker.runner.prepare_draft_extend(reqs, ext, ends.tolist())
-                return extend_outputs(worker.runner.forward_draft(fb, hidden))
-            return Prepared(eager, targets, len(reqs))
+            return Prepared(lambda: extend_outputs(worker.eager_extend(reqs, ext)), targets,
+                            len(reqs))
         key = graph.key(len(reqs), ends)
         if key is None:
             raise RuntimeError(f"graph probe: {len(reqs)} requests do not replay on the "
@@ -340,7 +335,7 @@ class DraftExtendKind:
                                "would prove nothing")
 
         def execute() -> dict[str, torch.Tensor]:
-            found = graph.extend(rows, ends, lens, ids, hidden)
+            found = worker.graph_extend(reqs, ext, graph)
             assert found is not None
             return extend_outputs(found)
 

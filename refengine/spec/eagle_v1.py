@@ -334,16 +334,27 @@ class EagleV1Worker:
     def draft_extend(self, reqs: list[Req], ext: DraftExtendInput) -> DraftInput:
         """The head over each request's accepted positions (already committed): replayed by
         the graph runner's extend graph when it takes the batch, else forward by forward."""
-        roots = self.roots(reqs)
-        last = torch.cumsum(ext.accept_lens, 0) - 1  # each request's newest accepted token
-        graph = self.runner.draft_extend
-        found = None if graph is None or not reqs else graph.extend(
-            torch.tensor([r.row for r in reqs], dtype=torch.int64),
-            torch.tensor(roots, dtype=torch.int64), ext.accept_lens, ext.input_ids,
-            ext.hidden_states)
-        if found is None:
-            fb = self.runner.prepare_draft_extend(reqs, ext, roots)
-            found = self.runner.forward_draft(fb, ext.hidden_states)
-        logits, predicted = found
+        found = self.graph_extend(reqs, ext)
+        logits, predicted = found if found is not None else self.eager_extend(reqs, ext)
         topk_p, topk_index = top_k(logits, self.spec.topk)
+        last = torch.cumsum(ext.accept_lens, 0) - 1  # each request's newest accepted token
         return DraftInput(topk_p, topk_index, predicted, ext.input_ids[last])
+
+    def eager_extend(self, reqs: list[Req], ext: DraftExtendInput
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's forward over the accepted positions -> (logits, predicted features) at
+        each request's last one."""
+        fb = self.runner.prepare_draft_extend(reqs, ext, self.roots(reqs))
+        return self.runner.forward_draft(fb, ext.hidden_states)
+
+    def graph_extend(self, reqs: list[Req], ext: DraftExtendInput,
+                     graph: DraftLoopGraph | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``eager_extend`` replayed by ``graph`` (default: the graph runner's extend graph);
+        None when there is none or it does not take the batch."""
+        graph = graph or self.runner.draft_extend
+        if graph is None:
+            return None
+        return graph.extend(torch.tensor([r.row for r in reqs], dtype=torch.int64),
+                            torch.tensor(self.roots(reqs), dtype=torch.int64),
+                            ext.accept_lens, ext.input_ids, ext.hidden_states)
