@@ -33,7 +33,7 @@ from conformance.adapter import (
     unclaimed_reasons,
 )
 from conformance.backends import ctranslate2_convert
-from conformance.backends.ctranslate2_backend import CT2Backend, CT2Handle, backend
+from conformance.backends.ctranslate2_backend import THREADS_ENV, CT2Backend, CT2Handle, backend
 from conformance.backends.refengine import backend as refengine_backend
 from conformance.cli import main
 from conformance.driver import Driver, Outcome
@@ -180,6 +180,21 @@ def test_batches_split_by_max_running_requests(random_model_dir: Path, prompts: 
     params = SamplingParams(max_new_tokens=LONG, ignore_eos=True)
     out = run(ct2, CT2_CAPS, [(f"b-{i}", p, params) for i, p in enumerate(prompts)])
     assert [out[f"b-{i}"].output_ids for i in range(len(prompts))] == greedy_long
+
+
+def test_opening_leaves_torch_threads_alone(random_model_dir: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Generator built with other intra-op threads than torch's must not change torch's
+    count: every torch lane beside it (bench) would silently run at CTranslate2's setting, and
+    a compiled graph key would meet a global state it was not built under."""
+    monkeypatch.setenv(THREADS_ENV, "1")
+    torch.set_num_threads(2)
+    try:
+        handle = backend().open(OpenConfig(model=str(random_model_dir)))
+        assert torch.get_num_threads() == 2
+        handle.close()
+    finally:
+        torch.set_num_threads(1)  # the module's one_torch_thread setting
 
 
 @pytest.mark.parametrize("n", [1, 3])

@@ -259,6 +259,26 @@ def test_compiled_forward_is_exact(make_probe: MakeProbe, probe: RefGraphProbe,
             compare_state(got, want.state, "the replay's", "compiled wrote elsewhere")
 
 
+def test_a_new_thread_count_compiles_a_variant_instead_of_failing(
+        make_probe: MakeProbe, probe: RefGraphProbe) -> None:
+    """Torch's thread count is part of the global state a compiled key is guarded on, and a
+    library loaded beside torch may change it between two calls; the key's later calls skip
+    guards, under which Dynamo refuses to recompile. A call under a new count goes through
+    every guard instead, and gives the same forward."""
+    compiled = make_probe(lambda runner: CompiledExecutor(
+        runner.target, runner.kv.kv, runner.kv.rows.table, backend="eager"))
+    want = probe.run(GraphCase("decode", 1), "graph")
+    threads = torch.get_num_threads()
+    compiled.run(GraphCase("decode", 1), "graph")
+    try:
+        torch.set_num_threads(threads + 1)
+        got = compiled.run(GraphCase("decode", 1), "graph")
+    finally:
+        torch.set_num_threads(threads)
+    compare_outputs(got, want, 0, "compiled after a thread-count change vs replay")
+    compare_state(got, want.state, "the replay's", "compiled after a thread-count change")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("executor", ["compiled", "compiled-layers", "frozen"])
 def test_compiled_matches_eager(make_probe: MakeProbe, executor: str) -> None:

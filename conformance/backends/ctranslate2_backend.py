@@ -106,6 +106,20 @@ def intra_threads() -> int:
         raise ValueError(f"{THREADS_ENV}: a positive integer, got {raw!r}")
     return int(raw)
 
+def _without_touching_torch_threads(make: Callable[[], ctranslate2.Generator]
+                                    ) -> ctranslate2.Generator:
+    """``make()``, then torch's thread count put back as it was. Building a Generator sets the
+    calling thread's OpenMP thread count to its ``intra_threads`` (measured: torch went from 2
+    threads to 1), which would silently run every torch lane beside it at CTranslate2's setting
+    and change the global state compiled graphs were built under. Its own generation keeps the
+    count it was built with (measured: same speed after the reset)."""
+    threads = torch.get_num_threads()
+    try:
+        return make()
+    finally:
+        torch.set_num_threads(threads)
+
+
 class CT2Handle:
     """An opened CTranslate2 generator. ``step`` runs everything queued to completion."""
 
@@ -219,8 +233,9 @@ class CT2Backend:
         # Opening reseeds the process-wide generator (there is no per-request one).
         ctranslate2.set_random_seed(cfg.seed)
         # One batch at a time, since step() calls generate_batch synchronously.
-        generator = ctranslate2.Generator(str(model_dir), device="cpu", compute_type=COMPUTE_TYPE,
-                                          intra_threads=intra_threads(), inter_threads=1)
+        generator = _without_touching_torch_threads(lambda: ctranslate2.Generator(
+            str(model_dir), device="cpu", compute_type=COMPUTE_TYPE,
+            intra_threads=intra_threads(), inter_threads=1))
         tokenizer = Tokenizer.from_file(str(source / "tokenizer.json"))
         return CT2Handle(generator, vocabulary, tokenizer.decode,
                          eos_token_id(config.get("eos_token_id")),

@@ -35,11 +35,10 @@ from typing import Any
 import torch
 
 from refengine.graph.executors import (
+    WarmKeys,
     _finish_layer,
     _own_code,
     _project,
-    compiled_call_settings,
-    first_compile_settings,
 )
 from refengine.graph.staging import DUMMY_ROW, DUMMY_SLOT, block_attention, pad_to_bucket
 from refengine.memory.kv_pool import KVPool
@@ -282,6 +281,7 @@ class DraftLoopGraph:
                  else draft.pre_projection.weight.dtype)
         self.staging = self.staging_class(self.kind, self.sizes[-1], dims, dtype, table.device)
         self._compiled: dict[tuple[int, int], Callable[..., Any]] = {}
+        self._warm = WarmKeys(self.executor == "frozen")
 
     def key(self, raw: int, lengths: torch.Tensor) -> tuple[int, int] | None:
         """(bucket, key width) for ``raw`` requests whose committed lengths are ``lengths``
@@ -338,11 +338,8 @@ class DraftLoopGraph:
         with torch.inference_mode():
             if self.executor == "replay":
                 return self._loop(*args, **views)
-            if key in self._compiled:
-                with compiled_call_settings():
-                    return self._compiled[key](*args, **views)
-            self._compiled[key] = torch.compile(_own_code(self._loop), fullgraph=True,
-                                                dynamic=False)
-            # compilation happens at this first call
-            with first_compile_settings(self.executor == "frozen"):
+            if key not in self._compiled:
+                self._compiled[key] = torch.compile(_own_code(self._loop), fullgraph=True,
+                                                    dynamic=False)
+            with self._warm.settings(key):
                 return self._compiled[key](*args, **views)

@@ -22,7 +22,7 @@ the pool: functionalization turns it into a copy of the whole pool per write (me
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol
@@ -223,6 +223,32 @@ def compiled_call_settings() -> Iterator[None]:
         yield
 
 
+class WarmKeys:
+    """Which keys have run, under which torch thread count, and so which settings a call
+    needs: a key's first call compiles (``first_compile_settings``), later ones skip the
+    guards that cannot fail (``compiled_call_settings``). That skip is only safe while torch's
+    global state is what the key was compiled under, and Dynamo refuses to recompile under it
+    (RuntimeError). The part of that state a process changes in practice is the intra-op
+    thread count (a C++ library loaded beside torch may set OpenMP's), so a call under a
+    count not seen for its key goes through every guard instead: Dynamo compiles a variant
+    for it, which then differs from the first by that guard."""
+
+    def __init__(self, freeze_weights: bool) -> None:
+        self.freeze_weights = freeze_weights
+        self._warm: set[tuple[Hashable, int]] = set()
+
+    @contextmanager
+    def settings(self, key: Hashable) -> Iterator[None]:
+        warm = (key, torch.get_num_threads())
+        if warm in self._warm:
+            with compiled_call_settings():
+                yield
+            return
+        with first_compile_settings(self.freeze_weights):  # compilation happens here
+            yield
+        self._warm.add(warm)
+
+
 @dataclass
 class _Regions:
     head: Callable[..., Any]
@@ -255,6 +281,7 @@ class CompiledExecutor:
         self.name = "frozen" if freeze_weights else "compiled"
         self._whole: dict[GraphKey, Callable[..., Any]] = {}
         self._regions: dict[GraphKey, _Regions] = {}
+        self._warm = WarmKeys(freeze_weights)
 
     def _compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         return torch.compile(_own_code(fn), backend=self.backend, fullgraph=True, dynamic=False)
@@ -263,16 +290,13 @@ class CompiledExecutor:
         self.run(key, views)
 
     def run(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
-        if key in self._whole or key in self._regions:
-            with compiled_call_settings():
-                return self._run(key, views)
-        if self.split == "whole":
+        if self.split == "whole" and key not in self._whole:
             self._whole[key] = self._compile(_whole_forward)
-        else:
+        elif self.split == "layers" and key not in self._regions:
             self._regions[key] = _Regions(self._compile(_head_region),
                                           self._compile(_middle_region),
                                           self._compile(_tail_region))
-        with first_compile_settings(self.freeze_weights):  # compilation happens here
+        with self._warm.settings(key):
             return self._run(key, views)
 
     def _run(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
