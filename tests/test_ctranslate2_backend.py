@@ -349,9 +349,9 @@ def test_thread_count_follows_torch_unless_overridden(monkeypatch: pytest.Monkey
     from conformance.backends.ctranslate2_backend import THREADS_ENV, intra_threads
 
     monkeypatch.delenv(THREADS_ENV, raising=False)
-    assert intra_threads() == torch.get_num_threads()
-    monkeypatch.setenv(THREADS_ENV, "1")
     assert intra_threads() == 1
+    monkeypatch.setenv(THREADS_ENV, "2")
+    assert intra_threads() == 2
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv(THREADS_ENV, bad)
         with pytest.raises(ValueError, match=THREADS_ENV):

@@ -95,13 +95,14 @@ THREADS_ENV = "SPECGATE_CTRANSLATE2_THREADS"
 
 
 def intra_threads() -> int:
-    """CTranslate2's OpenMP threads: ``$SPECGATE_CTRANSLATE2_THREADS`` if set, else as many as
-    torch is allowed (the suite runs one per xdist worker). The override exists for benchmarks:
-    on a 2-core machine, tiny-code at batch 1 ran at 874 tok/s with one thread and 86 with two
-    (docs/measurements.md), so the fair yardstick is the engine's best setting, not torch's."""
+    """CTranslate2's OpenMP threads: ``$SPECGATE_CTRANSLATE2_THREADS`` if set, else one. In a
+    process that also runs torch, one is CTranslate2's best setting: its OpenMP runtime and
+    torch's starve each other's threads (measured on 2 cores, batch 1: about 200 tok/s with
+    two threads beside torch's two, against 1,300 with one). Alone in a process it does run
+    faster with two (``benchmarks/kernel_floor.py`` measures it that way)."""
     raw = os.environ.get(THREADS_ENV)
     if raw is None:
-        return torch.get_num_threads()
+        return 1
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"{THREADS_ENV}: a positive integer, got {raw!r}")
     return int(raw)
