@@ -78,6 +78,8 @@ class BenchResult:
     versions: dict[str, str]           # lane label -> "<name> <version>"
     repeats: int = 1                   # runs per group and lane; the fastest one counts
     rows: list[BenchRow] = field(default_factory=list)
+    # With a spec: the lanes of further backends, decoding plainly as yardsticks beside it.
+    yardsticks: list[str] = field(default_factory=list)
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -272,7 +274,8 @@ def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, 
     pool = sum(n + max_new_tokens + 64 for n in longest) + biggest
     result = BenchResult(spec=spec, model=model, max_new_tokens=max_new_tokens,
                          threads=torch.get_num_threads(), backends=[ln.label for ln in lanes],
-                         versions={}, repeats=repeats)
+                         versions={}, repeats=repeats,
+                         yardsticks=[] if spec == "none" else backends[1:])
     handles: dict[str, EngineHandle] = {}
     try:
         for lane in lanes:
@@ -342,6 +345,7 @@ def format_table(result: BenchResult) -> str:
     lines.append("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
     lines.append("  ".join("-" * w for w in widths))
     lines.extend("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
+    lines.extend(yardstick_lines(result))
     details = [(row.batch_size, label, t) for row in result.rows
                for label, t in row.results.items() if t.tau is not None or t.phase_seconds]
     if details:
@@ -367,6 +371,22 @@ def ratio_pairs(result: BenchResult) -> list[tuple[str, str]]:
     twins = [n for n in others if n.startswith(f"{first}+")]
     foreign = [n for n in others if n not in twins]
     return [(t, first) for t in twins] + [(own, f) for own in (first, *twins) for f in foreign]
+
+
+def yardstick_lines(result: BenchResult) -> list[str]:
+    """With a spec and further backends: per batch size, the first backend's fastest lane
+    over each of them (e.g. speculation with graphs against a C++ engine's plain decoding)."""
+    if not result.yardsticks:
+        return []
+    own = [n for n in result.backends if n not in result.yardsticks]
+    lines = [""]
+    for row in result.rows:
+        best = max(own, key=lambda n: row.results[n].tokens_per_s)
+        speed = row.results[best].tokens_per_s
+        over = ", ".join(f"{_ratio(speed, row.results[y].tokens_per_s)} {y}"
+                         for y in result.yardsticks)
+        lines.append(f"batch {row.batch_size}: fastest lane {best} ({speed:,.1f} tok/s) = {over}")
+    return lines
 
 
 def _ratio(a: float, b: float) -> str:

@@ -10,7 +10,9 @@ import pytest
 
 from conformance import bench
 from conformance.bench import (
+    BackendTiming,
     BenchResult,
+    BenchRow,
     format_table,
     parse_batch_sizes,
     ratio_pairs,
@@ -188,3 +190,15 @@ def test_ratios_set_graph_lanes_beside_eager_and_other_backends() -> None:
                                   ("refengine+compiled", "hf")]
     spec = BenchResult("eagle", "m", 4, 1, ["plain", "plain+compiled", "chain-s3-n4"], {})
     assert ratio_pairs(spec) == [("plain+compiled", "plain"), ("chain-s3-n4", "plain")]
+
+
+def test_the_fastest_lane_is_set_against_each_yardstick() -> None:
+    """With a spec, further backends are yardsticks: each batch size's fastest lane of the
+    first backend is printed over each of them."""
+    result = BenchResult("mtp", "m", 4, 1, ["plain", "mtp-chain+frozen", "ctranslate2", "hf"],
+                         {}, yardsticks=["ctranslate2", "hf"])
+    speeds = {"plain": 400.0, "mtp-chain+frozen": 1100.0, "ctranslate2": 1375.0, "hf": 275.0}
+    result.rows.append(BenchRow(1, {n: BackendTiming(v, 64, 64 / v) for n, v in speeds.items()}))
+    assert ("batch 1: fastest lane mtp-chain+frozen (1,100.0 tok/s) = 0.80x ctranslate2, "
+            "4.00x hf") in format_table(result).splitlines()
+    assert bench.lanes_for("mtp", ["refengine", "ctranslate2"])[-1].label == "ctranslate2"
