@@ -107,6 +107,7 @@ def intra_threads() -> int:
         raise ValueError(f"{THREADS_ENV}: a positive integer, got {raw!r}")
     return int(raw)
 
+
 def _without_touching_torch_threads(make: Callable[[], ctranslate2.Generator]
                                     ) -> ctranslate2.Generator:
     """``make()``, then torch's thread count put back as it was. Building a Generator sets the

@@ -178,7 +178,8 @@ def _whole_forward(model: LlamaForCausalLM, k_pool: torch.Tensor, v_pool: torch.
 def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A copy of ``fn`` with its own code object. Dynamo keeps compiled variants per code
     object and walks them in order on every call (and stops compiling past a limit of 8);
-    giving each key its own copy keeps every cache at one entry, whatever the bucket count."""
+    giving each key its own copy keeps every cache at one entry, whatever the bucket count
+    (one per torch thread count the key ran under, see ``WarmKeys``)."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                               fn.__defaults__, fn.__closure__)
 
@@ -213,12 +214,12 @@ def first_compile_settings(freeze_weights: bool = False) -> Iterator[None]:
 def compiled_call_settings() -> Iterator[None]:
     """Settings for every call of a key after its first: Dynamo checks only the guards that
     tell one cached variant of a code object from another. ``_own_code`` gives each key a
-    single variant, and a key is only ever called on what it was compiled for (the staged
-    views, which never move, the model, the pool and the row table), so no guard it skips can
-    fail. The guards it skips cost 0.15-0.3 ms a call: measured on tiny-code, one thread,
-    batch 1, context 128, compiled forward steps with and without (five rounds of 100 steps,
-    taking turns; ms a step): decode 2.35-2.89 -> 2.16-2.43, verify N=4 3.26-3.39 ->
-    2.90-3.06."""
+    single variant (per thread count, ``WarmKeys``), and a key is only ever called on what it
+    was compiled for (the staged views, which never move, the model, the pool and the row
+    table), so no guard it skips can fail. The guards it skips cost 0.15-0.3 ms a call:
+    measured on tiny-code, one thread, batch 1, context 128, compiled forward steps with and
+    without (five rounds of 100 steps, taking turns; ms a step): decode 2.35-2.89 ->
+    2.16-2.43, verify N=4 3.26-3.39 -> 2.90-3.06."""
     with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
         yield
 
