@@ -277,8 +277,7 @@ class DraftLoopGraph:
         self._loop = LOOPS[self.kind]
         hidden = draft.config.hidden_size if eagle else draft.config.target_hidden_size
         dims = {"k": topk, "H": hidden, "scratch": topk * (steps - 1), "N": extend_rows}
-        dtype = (draft.fc.weight.dtype if isinstance(draft, EagleDraftModel)
-                 else draft.pre_projection.weight.dtype)
+        dtype = draft.fc.weight.dtype if eagle else draft.pre_projection.weight.dtype
         self.staging = self.staging_class(self.kind, self.sizes[-1], dims, dtype, table.device)
         self._compiled: dict[tuple[int, int], Callable[..., Any]] = {}
         self._warm = WarmKeys(self.executor == "frozen")
@@ -317,17 +316,15 @@ class DraftLoopGraph:
         b, n = rows.shape[0], self.staging.buffers["ids"].shape[1]
         if b == 0 or int(accept_lens.max()) > n:
             return None
-        # Flat row r of request i (its j-th accepted token) goes to column n - a_i + j.
-        owner = torch.repeat_interleave(torch.arange(b), accept_lens)
-        first = torch.cumsum(accept_lens, 0) - accept_lens
-        j = torch.arange(owner.shape[0]) - first[owner]
-        column = n - accept_lens[owner] + j
-        padded_ids = torch.zeros((b, n), dtype=torch.int64)
-        padded_hidden = torch.zeros((b, n, hidden.shape[-1]), dtype=hidden.dtype)
-        slots = torch.full((b, n), DUMMY_SLOT, dtype=torch.int64)
-        padded_ids[owner, column] = ids
-        padded_hidden[owner, column] = hidden
-        slots[owner, column] = self.table[rows[owner], ends[owner] - accept_lens[owner] + j]
+        # Request i's tokens fill its last a_i columns, in flat (row-major) order; column c
+        # sits at position ends_i - n + c, as in ``eagle_extend``.
+        columns = torch.arange(n)
+        real = columns >= (n - accept_lens)[:, None]
+        padded_ids = ids.new_zeros((b, n)).masked_scatter_(real, ids)
+        padded_hidden = hidden.new_zeros((b, n, hidden.shape[-1])).masked_scatter_(
+            real[..., None], hidden)
+        positions = (ends[:, None] - n + columns).clamp_(min=0)
+        slots = self.table[rows[:, None], positions].masked_fill_(~real, DUMMY_SLOT)
         found = self.run({"ids": padded_ids, "hidden": padded_hidden, "rows": rows,
                           "ends": ends, "slots": slots})
         assert found is None or isinstance(found, tuple)
