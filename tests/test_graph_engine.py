@@ -14,6 +14,7 @@ from engine_helpers import SPEC_PROMPTS, mtp_engine, spec_engine
 from conformance import graph_checks as checks
 from refengine import Engine, SamplingParams
 from refengine.graph import GraphRunner
+from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.graph.executors import GraphKey, ReplayExecutor
 from refengine.graph.probe import RefGraphProbe
 
@@ -34,25 +35,29 @@ class CountingReplay(ReplayExecutor):
         return super().run(key, views)  # type: ignore[arg-type]
 
 
-def count_draft_loops(runner: GraphRunner, keys: Counter[GraphKey]) -> None:
-    """Count the draft loop's replays in ``keys`` too (kind "draft:eagle"/"draft:mtp")."""
-    loop = runner.draft_loop
-    if loop is None:
-        return
-    execute = loop.execute
+def count_draft_graphs(runner: GraphRunner, keys: Counter[GraphKey]) -> None:
+    """Count the draft loop's and EAGLE's extend graph's replays in ``keys`` too (kinds
+    "draft:eagle"/"draft:mtp", "extend:eagle")."""
+    for graph in (runner.draft_loop, runner.draft_extend):
+        if graph is not None:
+            count_executes(graph, keys)
+
+
+def count_executes(graph: DraftLoopGraph, keys: Counter[GraphKey]) -> None:
+    execute = graph.execute
 
     def counted(key: tuple[int, int], views: dict) -> object:
-        keys[GraphKey(loop.kind, *key)] += 1
+        keys[GraphKey(graph.kind, *key)] += 1
         return execute(key, views)
 
-    loop.execute = counted  # type: ignore[method-assign,assignment]
+    graph.execute = counted  # type: ignore[method-assign,assignment]
 
 
 def counted(engine: Engine) -> tuple[Engine, CountingReplay]:
     assert isinstance(engine.runner, GraphRunner)
     counting = CountingReplay(engine.runner)
     engine.runner.executor = counting
-    count_draft_loops(engine.runner, counting.keys)
+    count_draft_graphs(engine.runner, counting.keys)
     return engine, counting
 
 
@@ -64,9 +69,9 @@ def graph_engine(pair: tuple[Path, Path], config: str | None, overlap: bool = Fa
 
 @pytest.mark.parametrize(("config", "overlap", "kinds"), [
     (None, False, {"decode"}),
-    ("chain-s3-n4", False, {"verify", "draft:eagle"}),
-    ("tree-s3-k4-n8", False, {"verify", "draft:eagle"}),
-    ("tree-s3-k4-n8", True, {"verify", "draft:eagle"}),
+    ("chain-s3-n4", False, {"verify", "draft:eagle", "extend:eagle"}),
+    ("tree-s3-k4-n8", False, {"verify", "draft:eagle", "extend:eagle"}),
+    ("tree-s3-k4-n8", True, {"verify", "draft:eagle", "extend:eagle"}),
 ])
 @pytest.mark.parametrize("retract_every", [0, 3])
 def test_graph_engine_equals_eager(spec_pair: tuple[Path, Path], config: str | None,
@@ -182,8 +187,16 @@ def test_frozen_executor_engine_equals_eager(spec_pair: tuple[Path, Path], mtp_d
     frozen = engine(cuda_graph=True, graph_executor="frozen")
     assert isinstance(frozen.runner, GraphRunner) and frozen.runner.executor.name == "frozen"
     keys: Counter[GraphKey] = Counter()
-    count_draft_loops(frozen.runner, keys)
+    count_draft_graphs(frozen.runner, keys)
+    run = frozen.runner.executor.run
+
+    def counted_run(key: GraphKey, views: object) -> object:
+        keys[key] += 1
+        return run(key, views)  # type: ignore[arg-type]
+
+    frozen.runner.executor.run = counted_run  # type: ignore[method-assign,assignment]
     graphed = frozen.generate(SPEC_PROMPTS[:2], params)
     assert [o.output_ids for o in graphed] == [o.output_ids for o in eager]
     assert [o.accept_lens for o in graphed] == [o.accept_lens for o in eager]
-    assert keys, "the draft loop never ran through the frozen executor"
+    assert {k.kind for k in keys} == ({"verify", "draft:eagle", "extend:eagle"}
+                                      if algorithm == "eagle" else {"verify", "draft:mtp"}), keys
