@@ -21,7 +21,7 @@ from conformance.bench import load_prompts
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
 from refengine.model import llama
 from refengine.request import Req
-from refengine.spec.inputs import DraftExtendInput, DraftInput
+from refengine.speculative.inputs import DraftExtendInput, DraftInput
 
 KEEP_ROWS = llama.DecoderLayer.forward
 

@@ -39,7 +39,7 @@ from refengine.memory.manager import KVManager
 from refengine.model.llama import ForwardBatch, ForwardOutput, LlamaForCausalLM
 from refengine.request import Req
 from refengine.runner import ModelRunner
-from refengine.spec.inputs import VerifyInput
+from refengine.speculative.inputs import VerifyInput
 
 MAX_BS = 32
 VERIFY_N = 4
@@ -162,7 +162,7 @@ def trap(runner: ModelRunner, graph: GraphRunner, reqs: list[Req], kv_width: int
 
     compiled = torch.compile(naive, fullgraph=True, dynamic=False)
     width = kv_width or runner.kv.rows.table.shape[1]
-    kv = runner.kv.kv
+    kv = runner.kv.target_pool
 
     def forward(batch: ForwardBatch) -> ForwardOutput:
         assert isinstance(batch, GraphBatch) and batch.rows is not None

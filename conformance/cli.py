@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the CLI imports heavy modules lazily, inside each command
 
     from conformance.adapter import Backend, SpecConfig
     from conformance.backends.mutants import Mutant
-    from conformance.backends.source_mutants import SourceMutant
+    from conformance.backends.mutants.source_patches import SourceMutant
     from conformance.report import Certificate
     from conformance.specs import SpecChoice
     from conformance.suite_run import SuiteRun
@@ -222,7 +222,7 @@ def _killer(check: dict[str, object]) -> str:
 
 def cmd_mutants(args: argparse.Namespace) -> int:
     from conformance.backends.mutants import MUTANTS as CLASS_MUTANTS
-    from conformance.backends.source_mutants import SOURCE_MUTANTS
+    from conformance.backends.mutants.source_patches import SOURCE_MUTANTS
     from conformance.progress import Steps
     from conformance.suite_run import SuiteOptions, run_suite
 

@@ -8,7 +8,8 @@
   (``biased_bonus``: the bonus drawn from ``p`` itself) it is the control's exact law, whose
   distance from the target gives the tier's power against it.
 
-The tree sampling scheme (``refengine.spec.verify``): at a node with target distribution ``p``
+The tree sampling scheme (``refengine.speculative.verify``): at a node with target distribution
+``p``
 and children ``c_1..c_m`` (distinct tokens), child ``c_j`` is accepted with probability
 ``p(c_j)`` (one coin, inverse CDF over the children); otherwise (``1 - p(children)``) the bonus
 is drawn from the after-rejection law and the step ends. Each output position has its own
@@ -24,9 +25,28 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from conformance.backends.mutants import DraftTree
-
 Cell = tuple[int, ...]
+# A draft tree as the verifier saw it: (path of tokens below the root, children's tokens in
+# sibling order) for every node, sorted; hashable, so identical trees count together.
+DraftTree = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+
+
+def draft_tree(tokens: list[int], next_token: list[int], next_sibling: list[int]) -> DraftTree:
+    """The tree of one request's ``VerifyInput`` row, by tokens instead of node indices."""
+    nodes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    stack: list[tuple[int, tuple[int, ...]]] = [(0, ())]
+    while stack:
+        node, path = stack.pop()
+        children = []
+        child = next_token[node]
+        while child != -1:
+            children.append(child)
+            child = next_sibling[child]
+        nodes.append((path, tuple(tokens[c] for c in children)))
+        stack.extend((c, (*path, tokens[c])) for c in children)
+    return tuple(sorted(nodes))
+
+
 Trees = dict[tuple[int, ...], Counter[DraftTree]]   # root sequence -> trees verified there
 ProbsOf = Callable[[tuple[int, ...]], torch.Tensor]  # full sequence -> [vocab] float64
 BonusLaw = Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]
@@ -113,7 +133,7 @@ def verify_misapplied_law(law: JointLaw, verify_probs_of: ProbsOf) -> np.ndarray
 
 def reference_bonus(p: torch.Tensor, children: tuple[int, ...]) -> torch.Tensor:
     """The correct after-rejection law: ``p`` without the rejected children, renormalised.
-    Written here again on purpose rather than imported from ``refengine.spec.verify``: the
+    Written here again on purpose rather than imported from ``refengine.speculative.verify``: the
     oracle must not share code with the sampler it judges."""
     residual = p.clone()
     residual[list(children)] = 0.0

@@ -42,7 +42,7 @@ def _target(spec: str) -> str:
 
 def _load_mutant(name: str, launcher: bool) -> Backend:
     from conformance.backends.mutants import MUTANTS, mutant_backend
-    from conformance.backends.source_mutants import SOURCE_MUTANTS, source_mutant_backend
+    from conformance.backends.mutants.source_patches import SOURCE_MUTANTS, source_mutant_backend
 
     try:
         if name in SOURCE_MUTANTS:

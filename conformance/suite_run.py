@@ -119,9 +119,9 @@ def _no_plugin_autoload() -> Iterator[None]:
 
 def _run_source_mutant(opts: SuiteOptions, results: Path, junit: Path | None) -> SuiteRun | None:
     """A source-patch mutant's suite runs in a subprocess that imports its patched
-    ``refengine`` (``conformance.backends.source_mutants``); ``plugins`` cannot follow it
+    ``refengine`` (``conformance.backends.mutants.source_patches``); ``plugins`` cannot follow it
     there (no progress is drawn). None: ``opts.backend`` is no source mutant."""
-    from conformance.backends.source_mutants import SOURCE_MUTANTS, run_patched
+    from conformance.backends.mutants.source_patches import SOURCE_MUTANTS, run_patched
 
     mutant = SOURCE_MUTANTS.get(opts.backend.removeprefix("mutant:"))
     if mutant is None or not opts.backend.startswith("mutant:"):

@@ -37,11 +37,11 @@ from refengine.request import FinishReason, Req
 from refengine.runner import ModelRunner
 from refengine.sampler import select_tokens
 from refengine.scheduler import ScheduledBatch, Scheduler
-from refengine.spec.draft_model import DraftModelWorker
-from refengine.spec.eagle_v1 import EagleV1Worker
-from refengine.spec.eagle_v2 import EagleV2Worker, reserve_tokens
-from refengine.spec.frozen_kv_mtp import FrozenKVMTPV2Worker, FrozenKVMTPWorker
-from refengine.spec.worker import SpecWorker
+from refengine.speculative.draft_model import DraftModelWorker
+from refengine.speculative.eagle_v1 import EagleV1Worker
+from refengine.speculative.eagle_v2 import EagleV2Worker, reserve_tokens
+from refengine.speculative.frozen_kv_mtp import FrozenKVMTPV2Worker, FrozenKVMTPWorker
+from refengine.speculative.worker import SpecWorker
 from refengine.step import StepResult
 
 Prompt = str | Sequence[int]

@@ -19,7 +19,7 @@ from refengine.memory.manager import KVManager
 from refengine.memory.sessions import SessionStore
 from refengine.request import FinishReason, Req, ReqStatus
 from refengine.scheduler import Scheduler
-from refengine.spec.worker import SpecWorker
+from refengine.speculative.worker import SpecWorker
 from refengine.step import StepResult
 from refengine.stopping import finish_reason, stop_string_cut
 

@@ -20,7 +20,7 @@ from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
 from refengine.model.llama import ForwardBatch, ForwardOutput, LlamaForCausalLM
 from refengine.model.standalone_draft import StandaloneDraftModel
 from refengine.request import Req
-from refengine.spec.inputs import DraftExtendInput, VerifyInput
+from refengine.speculative.inputs import DraftExtendInput, VerifyInput
 
 
 class ModelRunner:
@@ -81,7 +81,7 @@ class ModelRunner:
                             slots.reshape(-1), meta)
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        return self.target(batch, self.kv.kv)
+        return self.target(batch, self.kv.target_pool)
 
     # --- draft ----------------------------------------------------------------------------
 
@@ -122,14 +122,14 @@ class ModelRunner:
     def forward_draft(self, batch: ForwardBatch, features: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (logits of the wanted rows, the head's predicted features)."""
-        assert isinstance(self.draft, EagleDraftModel) and self.kv.draft_kv is not None
-        return self.draft(batch, features, self.kv.draft_kv)
+        assert isinstance(self.draft, EagleDraftModel) and self.kv.draft_pool is not None
+        return self.draft(batch, features, self.kv.draft_pool)
 
     def forward_draft_model(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """A standalone draft model over ``batch``, writing its own KV -> (logits of the
         wanted rows, its final-norm features at them)."""
-        assert isinstance(self.draft, StandaloneDraftModel) and self.kv.draft_kv is not None
-        out = self.draft(batch, self.kv.draft_kv)
+        assert isinstance(self.draft, StandaloneDraftModel) and self.kv.draft_pool is not None
+        out = self.draft(batch, self.kv.draft_pool)
         return out.logits, batch.wanted(out.features)
 
     # --- a frozen-KV draft (it reads the target's KV and writes none) --------------------------
@@ -154,4 +154,4 @@ class ModelRunner:
         positions, meta = batch.positions, batch.attention
         if rows is not None:
             positions, meta = positions.index_select(0, rows), meta.at_queries(rows)
-        return self.draft(tokens, hidden, positions, meta, self.kv.kv)
+        return self.draft(tokens, hidden, positions, meta, self.kv.target_pool)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from refengine.request import Req, ReqStatus
 
 if TYPE_CHECKING:
-    from refengine.spec.eagle_v1 import VerifyOutcome
+    from refengine.speculative.eagle_v1 import VerifyOutcome
 
 
 @dataclass

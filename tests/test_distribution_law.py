@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from conformance.backends.mutants import _residual_is_p, draft_tree
+from conformance.backends.mutants.sampling import _residual_is_p
 from conformance.distribution import (
     JointLaw,
     SupportTooLarge,
     Trees,
     biased_bonus,
+    draft_tree,
     emission,
     exact_law,
     first_draft_accept_rate,
@@ -22,7 +23,7 @@ from conformance.distribution import (
     speculative_law,
 )
 from conformance.stats import gof_test
-from refengine.spec.verify import residual_without, verify_tree_sampling
+from refengine.speculative.verify import residual_without, verify_tree_sampling
 
 VOCAB = 7
 PROMPT = (1, 2)

@@ -13,7 +13,8 @@ import pytest
 from test_plugin import run_suite
 
 from conformance import stats
-from conformance.backends.mutants import MUTANTS, VERIFY_PARAM_BUGS
+from conformance.backends.mutants import MUTANTS
+from conformance.backends.mutants.sampling import VERIFY_PARAM_BUGS
 from conformance.distribution import JointLaw, exact_law, verify_misapplied_law
 from conformance.oracle import ReferenceOracle
 from conformance.prompts import load_prompt_set

@@ -15,7 +15,7 @@ from engine_helpers import SPEC_GREEDY, SPEC_PROMPTS, drive
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
 from refengine.memory.view import idle_error
 from refengine.request import Req
-from refengine.spec.inputs import CatchUpInput, VerifyInput
+from refengine.speculative.inputs import CatchUpInput, VerifyInput
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def test_all_finish_inside_verify_installs_an_idle_state(spec_pair: tuple[Path, 
 def test_draft_kv_lives_in_its_own_pool(spec_pair: tuple[Path, Path],
                                         drafts: dict[str, Path]) -> None:
     engine = draft_engine(spec_pair[0], drafts["random"])
-    pool = engine.kv.draft_kv
+    pool = engine.kv.draft_pool
     assert pool is not None and pool.k.shape[0] == 2  # the random draft's two layers
     engine.generate(SPEC_PROMPTS[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert pool.k.abs().sum() > 0

@@ -158,7 +158,7 @@ def test_mtp_graph_loop_runs_a_subclassed_assistant(spec_pair: tuple[Path, Path]
     """The graph loop calls the assistant's own class's forward, also a subclass's that
     overrides it without the inference-mode decorator (the bug zoo's draft that writes KV):
     the loop runs, and that draft's writes show as they do eagerly."""
-    from conformance.backends.mutants import FrozenDraftWritesKV
+    from conformance.backends.mutants.speculative import FrozenDraftWritesKV
 
     def run(graphs: bool) -> list[list[int]]:
         engine = FrozenDraftWritesKV(mtp_engine(

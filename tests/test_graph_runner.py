@@ -151,8 +151,8 @@ def test_graph_key_and_dummy_page(probe: RefGraphProbe, kind: str) -> None:
             assert key is not None and key.bucket == pad_to_bucket(raw, capture_sizes(MAX_BS))
             assert key.kind == ("decode" if kind == "decode" else "verify")
             prep.execute()
-            assert torch.isfinite(probe.kv.kv.k[:, :PAGE]).all(), (kind, raw)
-            assert torch.isfinite(probe.kv.kv.v[:, :PAGE]).all(), (kind, raw)
+            assert torch.isfinite(probe.kv.target_pool.k[:, :PAGE]).all(), (kind, raw)
+            assert torch.isfinite(probe.kv.target_pool.v[:, :PAGE]).all(), (kind, raw)
 
 
 @pytest.mark.parametrize("kind", FORWARD_KINDS)
@@ -189,11 +189,11 @@ def test_padding_only_batch_writes_dummy_page_only(make_probe: MakeProbe) -> Non
     probe = make_probe()
     with probe.requests(MAX_BS):  # the world's requests hold rows and KV meanwhile
         kv = probe.kv
-        k, v, table = kv.kv.k.clone(), kv.kv.v.clone(), kv.rows.table.clone()
+        k, v, table = kv.target_pool.k.clone(), kv.target_pool.v.clone(), kv.rows.table.clone()
         allocator = kv.allocator.backup_state()
         probe.graph("verify").capture()
-        assert torch.equal(kv.kv.k[:, PAGE:], k[:, PAGE:])
-        assert torch.equal(kv.kv.v[:, PAGE:], v[:, PAGE:])
+        assert torch.equal(kv.target_pool.k[:, PAGE:], k[:, PAGE:])
+        assert torch.equal(kv.target_pool.v[:, PAGE:], v[:, PAGE:])
         assert torch.equal(kv.rows.table, table)
         assert kv.allocator.backup_state() == allocator
         assert not kv.rows.table[DUMMY_ROW].any() and DUMMY_SLOT < PAGE
@@ -250,7 +250,7 @@ def test_compiled_forward_is_exact(make_probe: MakeProbe, probe: RefGraphProbe,
     and the write op (whole) or the eager writes between regions (layers) write what eager
     does. (Both probes build the same worlds bit for bit.)"""
     compiled = make_probe(lambda runner: CompiledExecutor(
-        runner.target, runner.kv.kv, runner.kv.rows.table, backend="eager", split=split))
+        runner.target, runner.kv.target_pool, runner.kv.rows.table, backend="eager", split=split))
     for kind in ("decode", "verify-tree"):
         for raw in (1, 3):
             want = probe.run(GraphCase(kind, raw), "graph")
@@ -266,7 +266,7 @@ def test_a_new_thread_count_compiles_a_variant_instead_of_failing(
     guards, under which Dynamo refuses to recompile. A call under a new count goes through
     every guard instead, and gives the same forward."""
     compiled = make_probe(lambda runner: CompiledExecutor(
-        runner.target, runner.kv.kv, runner.kv.rows.table, backend="eager"))
+        runner.target, runner.kv.target_pool, runner.kv.rows.table, backend="eager"))
     want = probe.run(GraphCase("decode", 1), "graph")
     threads = torch.get_num_threads()
     compiled.run(GraphCase("decode", 1), "graph")

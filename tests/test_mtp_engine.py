@@ -12,7 +12,7 @@ from engine_helpers import SPEC_GREEDY, SPEC_PROMPTS, drive, mtp_engine
 
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
 from refengine.runner import ModelRunner
-from refengine.spec.inputs import SeedInput
+from refengine.speculative.inputs import SeedInput
 
 SHAPES = ["chain-s3-n4", "tree-s3-k4-n8"]
 
@@ -59,10 +59,10 @@ def test_frozen_draft_writes_no_kv_and_takes_no_slots(spec_pair: tuple[Path, Pat
     inner = ModelRunner.forward_frozen_draft
 
     def watched(runner: ModelRunner, *args: object, **kw: object):  # type: ignore[no-untyped-def]
-        k, v = runner.kv.kv.k.clone(), runner.kv.kv.v.clone()
+        k, v = runner.kv.target_pool.k.clone(), runner.kv.target_pool.v.clone()
         free = runner.kv.allocator.backup_state()
         out = inner(runner, *args, **kw)  # type: ignore[arg-type]
-        assert torch.equal(k, runner.kv.kv.k) and torch.equal(v, runner.kv.kv.v)
+        assert torch.equal(k, runner.kv.target_pool.k) and torch.equal(v, runner.kv.target_pool.v)
         assert runner.kv.allocator.backup_state() == free
         calls.append(1)
         return out
@@ -70,7 +70,7 @@ def test_frozen_draft_writes_no_kv_and_takes_no_slots(spec_pair: tuple[Path, Pat
     monkeypatch.setattr(ModelRunner, "forward_frozen_draft", watched)
     engine.generate(SPEC_PROMPTS[:3], SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert calls, "the frozen draft never ran"
-    assert engine.kv.draft_kv is None
+    assert engine.kv.draft_pool is None
 
 
 def test_all_finish_in_verify_installs_an_idle_seed(spec_pair: tuple[Path, Path],

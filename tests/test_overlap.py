@@ -13,7 +13,7 @@ from engine_helpers import SPEC_GREEDY, SPEC_PROMPTS, spec_engine
 
 from refengine import Engine, FinishEvent, SamplingParams, TokenEvent
 from refengine.memory.view import idle_error
-from refengine.spec.eagle_v2 import reserve_tokens
+from refengine.speculative.eagle_v2 import reserve_tokens
 
 PROMPTS, GREEDY = SPEC_PROMPTS, SPEC_GREEDY
 CONFIGS = ["chain-s3-n4", "tree-s3-k4-n8"]

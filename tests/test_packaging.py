@@ -41,7 +41,7 @@ def test_setup_lists_every_code_package_and_the_data() -> None:
     on_disk = {".".join(d.relative_to(REPO).parts) for root in CODE_ROOTS
                for d in [REPO / root, *(REPO / root).rglob("*")]
                if (d / "__init__.py").exists()}
-    assert on_disk <= packages and {"refengine.spec", "refengine.kernels"} <= packages
+    assert on_disk <= packages and {"refengine.speculative", "refengine.kernels"} <= packages
     data = kwargs["package_dir"]
     assert data == {"refengine._fixtures": "fixtures", "refengine._golden": "golden"}
     assert all((REPO / folder).is_dir() for folder in data.values())  # type: ignore[union-attr]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conformance import cli
-from conformance.backends import source_mutants as sm
+from conformance.backends.mutants import source_patches as sm
 from conformance.registry import BackendError, load_backend
 from conformance.suite_run import SuiteOptions, suite_args, suite_dir
 

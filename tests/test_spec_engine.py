@@ -13,8 +13,8 @@ from engine_helpers import SPEC_GREEDY, SPEC_PROMPTS, SPEC_SHAPES, spec_engine
 from refengine import SamplingParams
 from refengine.memory.view import idle_error
 from refengine.request import Req
-from refengine.spec.draft_search import beam_search, chain_search
-from refengine.spec.inputs import DraftInput, VerifyInput
+from refengine.speculative.draft_search import beam_search, chain_search
+from refengine.speculative.inputs import DraftInput, VerifyInput
 
 PROMPTS, CONFIGS, GREEDY = SPEC_PROMPTS, SPEC_SHAPES, SPEC_GREEDY
 engine = spec_engine

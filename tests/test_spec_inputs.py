@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refengine.spec.draft_state import DraftState
-from refengine.spec.inputs import DraftExtendInput, DraftInput, VerifyInput
+from refengine.speculative.draft_state import DraftState
+from refengine.speculative.inputs import DraftExtendInput, DraftInput, VerifyInput
 
 K, H = 3, 5
 

@@ -1,5 +1,5 @@
 """The torch tree references: candidate selection, tree build, greedy verify, and tree
-speculative sampling (``refengine.spec.verify``).
+speculative sampling (``refengine.speculative.verify``).
 
 These references are both the engine's CPU path and the oracle of the ``kernel`` tier, so they
 are checked here against properties stated independently of their code (and the published
@@ -28,7 +28,7 @@ from refengine.kernels.tree_reference import (
     select_candidates,
     verify_tree_greedy_reference,
 )
-from refengine.spec.verify import verify_tree_sampling
+from refengine.speculative.verify import verify_tree_sampling
 
 CASES = settings(max_examples=150, deadline=None, derandomize=True, database=None)
 

@@ -48,7 +48,7 @@ from conformance.backends.request_check import check_request
 from refengine.data import resolve_model_dir
 from refengine.request import FinishReason
 from refengine.sampler import sample_one, sampling_probs
-from refengine.spec.verify import verify_tree_sampling
+from refengine.speculative.verify import verify_tree_sampling
 
 # transformers 5 renamed the forward's cache argument (`past_key_values` -> `cache`) and warns on
 # the old name; 4.x knows only the old one.

@@ -72,7 +72,8 @@ import pytest
 
 from conformance import stats
 from conformance.adapter import Backend, OpenConfig, SamplingParams, SpecConfig
-from conformance.backends.mutants import VERIFY_PARAM_BUGS, mutant_backend, verified_draft_trees
+from conformance.backends.mutants import mutant_backend
+from conformance.backends.mutants.sampling import VERIFY_PARAM_BUGS, verified_draft_trees
 from conformance.distribution import (
     JointLaw,
     SupportTooLarge,

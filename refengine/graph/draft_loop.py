@@ -16,7 +16,8 @@ Two loops, one per draft kind, and EAGLE's draft-extend:
   draft-extend), right-aligned in ``N`` columns; it writes the head's KV for every row and
   predicts from the last one.
 
-The loops end with ``search`` (``refengine/spec/draft_search.py``: the chain or the beam), the
+The loops end with ``search`` (``refengine/speculative/draft_search.py``: the chain or the
+beam), the
 same search the eager draft runs, so only the forwards differ: here their attention metadata
 is derived inside the graph from the staged rows and lengths (``block_attention``) at a fixed
 key width. Tree assembly stays eager, in the worker.
@@ -45,7 +46,7 @@ from refengine.memory.kv_pool import KVPool
 from refengine.model.attention import AttentionMetadata
 from refengine.model.eagle import EagleDraftModel
 from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
-from refengine.spec.draft_search import Candidates, LoopOutput, search, top_k
+from refengine.speculative.draft_search import Candidates, LoopOutput, search, top_k
 
 
 @dataclass(frozen=True)

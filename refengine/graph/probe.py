@@ -41,9 +41,9 @@ from refengine.memory.allocator import AllocatorState
 from refengine.model.llama import ForwardBatch, ForwardOutput
 from refengine.request import Req
 from refengine.runner import ModelRunner
-from refengine.spec.draft_search import Candidates, LoopOutput
-from refengine.spec.eagle_v1 import EagleV1Worker
-from refengine.spec.inputs import DraftExtendInput, DraftInput, SeedInput, VerifyInput
+from refengine.speculative.draft_search import Candidates, LoopOutput
+from refengine.speculative.eagle_v1 import EagleV1Worker
+from refengine.speculative.inputs import DraftExtendInput, DraftInput, SeedInput, VerifyInput
 
 if TYPE_CHECKING:
     from refengine.engine import Engine
@@ -425,7 +425,7 @@ class RefGraphProbe:
         self.vocab_size = cfg.vocab_size
         self.max_position = int(runner.target.rotary.cos.shape[0])  # rotary table rows
         kv = self.kv
-        if kv.rows.free_rows != kv.rows.rows or \
+        if kv.rows.free_rows != kv.rows.usable_rows or \
                 kv.allocator.free_page_count != kv.allocator.num_pages - 1:
             raise RuntimeError("graph probe: the engine must be idle (no request holds a row "
                                "or KV) when the probe is made")
@@ -589,7 +589,7 @@ class RefGraphProbe:
                       SamplingParams(), seed, i)
             if not self.kv.assign_row(req):
                 raise RuntimeError(f"graph probe: no request row for request {i} "
-                                   f"({self.kv.rows.rows} rows)")
+                                   f"({self.kv.rows.usable_rows} rows)")
             reqs.append(req)
         lens = [len(r.prompt_ids) for r in reqs]
         ids = [t for r in reqs for t in r.prompt_ids]
@@ -604,16 +604,16 @@ class RefGraphProbe:
         return self._world
 
     def _pools(self) -> list[torch.Tensor]:
-        pools = [self.kv.kv.k, self.kv.kv.v]
-        if self.kv.draft_kv is not None:
-            pools += [self.kv.draft_kv.k, self.kv.draft_kv.v]
+        pools = [self.kv.target_pool.k, self.kv.target_pool.v]
+        if self.kv.draft_pool is not None:
+            pools += [self.kv.draft_pool.k, self.kv.draft_pool.v]
         return pools
 
     def _scribble(self, reqs: list[Req], seed: int) -> None:
         """Seeded noise in every slot no request holds, outside the dummy page: a stray write
         there then changes bytes whatever it writes. Finite, because real rows' masked key
         columns may point at such slots and a masked key still multiplies its value by 0."""
-        held = torch.zeros(self.kv.kv.k.shape[1], dtype=torch.bool)
+        held = torch.zeros(self.kv.target_pool.k.shape[1], dtype=torch.bool)
         held[:self.kv.page_size] = True
         for r in reqs:
             held[self.kv.rows.table[r.row, :r.kv_allocated_len]] = True
@@ -641,12 +641,13 @@ class RefGraphProbe:
         slots = batch.out_slots
         return {"logits": out.logits, "features": out.features,
                 "next_tokens": out.logits.argmax(-1),
-                "kv_k": self.kv.kv.k[:, slots].clone(), "kv_v": self.kv.kv.v[:, slots].clone()}
+                "kv_k": self.kv.target_pool.k[:, slots].clone(),
+                "kv_v": self.kv.target_pool.v[:, slots].clone()}
 
     def digests(self, targets: torch.Tensor, kind: str) -> dict[str, str]:
         """"kv": every KV pool outside ``targets`` and the dummy page; "request_rows": the row
         table; "allocator": the free page list and the free row count."""
-        keep = torch.ones(self.kv.kv.k.shape[1], dtype=torch.bool)
+        keep = torch.ones(self.kv.target_pool.k.shape[1], dtype=torch.bool)
         keep[:self.kv.page_size] = False
         if self.writes_kv(kind):
             keep[targets] = False

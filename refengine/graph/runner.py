@@ -57,7 +57,7 @@ from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
 from refengine.model.llama import ForwardBatch, ForwardOutput
 from refengine.request import Req
 from refengine.runner import ModelRunner
-from refengine.spec.inputs import VerifyInput
+from refengine.speculative.inputs import VerifyInput
 
 
 @dataclass
@@ -91,7 +91,7 @@ class GraphRunner:
         self.runner = runner
         table = runner.kv.rows.table
         self.sizes = check_sizes(list(sizes) if sizes is not None
-                                 else capture_sizes(max_bs or runner.kv.rows.rows))
+                                 else capture_sizes(max_bs or runner.kv.rows.usable_rows))
         width = table.shape[1]
         self.kv_sizes = check_sizes(list(kv_sizes) if kv_sizes is not None
                                     else kv_widths(width))
@@ -115,7 +115,8 @@ class GraphRunner:
         draft = runner.draft
         # A standalone draft model drafts forward by forward (no loop graph of its kind).
         if draft_steps is not None and isinstance(draft, (EagleDraftModel, FrozenKVMTPDraftModel)):
-            pool = runner.kv.draft_kv if isinstance(draft, EagleDraftModel) else runner.kv.kv
+            pool = (runner.kv.draft_pool if isinstance(draft, EagleDraftModel)
+                    else runner.kv.target_pool)
             assert pool is not None, "an EAGLE head keeps draft KV"
             loop_executor = (self.executor.name if self.executor.name in ("replay", "frozen")
                              else "compiled")
@@ -130,7 +131,7 @@ class GraphRunner:
         if name == "replay":
             return ReplayExecutor(self.static_forward)
         if name in ("compiled", "compiled-layers", "frozen"):
-            return CompiledExecutor(self.runner.target, self.runner.kv.kv,
+            return CompiledExecutor(self.runner.target, self.runner.kv.target_pool,
                                     self.runner.kv.rows.table,
                                     split="layers" if name == "compiled-layers" else "whole",
                                     freeze_weights=name == "frozen")

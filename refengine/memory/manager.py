@@ -45,8 +45,8 @@ class KVManager:
         self.allocator = TokenAllocator(num_pages, page_size)
         self.rows = ReqToTokenPool(max_running_requests, max_context_len + row_headroom, device)
         layers, kv_heads, head_dim = kv_shape
-        self.kv = KVPool(num_pages * page_size, layers, kv_heads, head_dim, dtype, device)
-        self.draft_kv = (KVPool(num_pages * page_size, draft_layers, kv_heads, head_dim, dtype,
+        self.target_pool = KVPool(num_pages * page_size, layers, kv_heads, head_dim, dtype, device)
+        self.draft_pool = (KVPool(num_pages * page_size, draft_layers, kv_heads, head_dim, dtype,
                                 device) if draft_layers else None)
 
     @property
@@ -141,8 +141,8 @@ class KVManager:
         if nodes != list(range(len(nodes))):
             src = self.rows.table[req.row, [start + j for j in nodes]]
             dst = self.rows.table[req.row, start: start + len(nodes)]
-            self.kv.k[:, dst] = self.kv.k[:, src]
-            self.kv.v[:, dst] = self.kv.v[:, src]
+            self.target_pool.k[:, dst] = self.target_pool.k[:, src]
+            self.target_pool.v[:, dst] = self.target_pool.v[:, src]
 
     def reserve_need(self, req: Req, reserve_tokens: int) -> int:
         """Positions past its allocation ``reserve_for_decode`` will add for ``req``."""
@@ -231,7 +231,7 @@ class KVManager:
             page_size=self.page_size,
             requests={r.rid: ReqKV(r.kv_committed_len, r.kv_allocated_len, r.kv_phase)
                       for r in live if r.row is not None},
-            rows_capacity=self.rows.rows, rows_free=self.rows.free_rows, rows_held=rows_held,
+            rows_capacity=self.rows.usable_rows, rows_free=self.rows.free_rows, rows_held=rows_held,
             reserve_bound=reserve_bound)
 
     def strict_check(self, view: MemoryView) -> None:

@@ -13,7 +13,7 @@ from refengine.memory.allocator import DoubleFreeError
 
 class ReqToTokenPool:
     def __init__(self, rows: int, max_context_len: int, device: str) -> None:
-        self.rows = rows  # usable rows, excluding the dummy row 0
+        self.usable_rows = rows  # usable rows, excluding the dummy row 0
         self.max_context_len = max_context_len
         self.table = torch.zeros((rows + 1, max_context_len), dtype=torch.int64, device=device)
         self._free: list[int] = list(range(rows, 0, -1))
@@ -31,7 +31,7 @@ class ReqToTokenPool:
         return row
 
     def free_row(self, row: int) -> None:
-        if not 0 < row <= self.rows or self._is_free[row]:
+        if not 0 < row <= self.usable_rows or self._is_free[row]:
             raise DoubleFreeError(f"request row {row} freed twice or never allocatable")
         self._is_free[row] = 1
         self._free.append(row)

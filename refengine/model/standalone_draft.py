@@ -4,7 +4,7 @@ only the target's tokenizer, as in classic draft-model speculative decoding.
 It keeps KV of its own, one layer per draft layer, in the KV manager's draft pool: the pool
 shares the target's allocator and row table, so a slot names the same position in both and the
 draft's KV is allocated, accounted and freed with the request's (``SpecConfig(algorithm=
-"draft_model")``, ``refengine/spec/draft_model.py``).
+"draft_model")``, ``refengine/speculative/draft_model.py``).
 """
 
 from __future__ import annotations

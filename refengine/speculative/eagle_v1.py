@@ -39,20 +39,20 @@ from refengine.memory.manager import KVManager
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
 from refengine.runner import ModelRunner
-from refengine.spec.accept import accept
-from refengine.spec.draft_search import (
+from refengine.speculative.accept import accept
+from refengine.speculative.draft_search import (
     Candidates,
     DraftForward,
     LoopOutput,
     search,
     top_k,
 )
-from refengine.spec.draft_state import DraftState
+from refengine.speculative.draft_state import DraftState
 
 if TYPE_CHECKING:
     from refengine.graph.draft_loop import DraftLoopGraph
-from refengine.spec.inputs import DraftExtendInput, DraftInput, VerifyInput
-from refengine.spec.verify import SampledPath, verify_tree_sampling
+from refengine.speculative.inputs import DraftExtendInput, DraftInput, VerifyInput
+from refengine.speculative.verify import SampledPath, verify_tree_sampling
 from refengine.step import StepResult
 
 

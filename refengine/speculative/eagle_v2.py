@@ -37,7 +37,7 @@ from refengine.memory.manager import KVManager
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
 from refengine.runner import ModelRunner
-from refengine.spec.eagle_v1 import EagleV1Worker
+from refengine.speculative.eagle_v1 import EagleV1Worker
 from refengine.step import StepResult
 
 

@@ -34,9 +34,9 @@ import torch
 
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
-from refengine.spec.draft_search import chain_search
-from refengine.spec.eagle_v1 import EagleV1Worker
-from refengine.spec.inputs import CatchUpInput, DraftExtendInput, DraftInput, SeedInput
+from refengine.speculative.draft_search import chain_search
+from refengine.speculative.eagle_v1 import EagleV1Worker
+from refengine.speculative.inputs import CatchUpInput, DraftExtendInput, DraftInput, SeedInput
 from refengine.step import StepResult
 
 

@@ -18,8 +18,8 @@ import torch
 from refengine.kernels.tree_reference import greedy_walk
 from refengine.request import Req
 from refengine.sampler import sampling_probs
-from refengine.spec.inputs import VerifyInput
-from refengine.spec.verify import SampledPath
+from refengine.speculative.inputs import VerifyInput
+from refengine.speculative.verify import SampledPath
 
 SamplePath = Callable[[Req, VerifyInput, int, torch.Tensor], SampledPath]
 

@@ -35,10 +35,10 @@ from refengine.model.llama import ForwardBatch
 if TYPE_CHECKING:
     from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.request import Req
-from refengine.spec.draft_search import DraftForward, LoopOutput, top_k
-from refengine.spec.eagle_v1 import EagleV1Worker
-from refengine.spec.eagle_v2 import EagleV2Worker
-from refengine.spec.inputs import DraftExtendInput, DraftInput, SeedInput
+from refengine.speculative.draft_search import DraftForward, LoopOutput, top_k
+from refengine.speculative.eagle_v1 import EagleV1Worker
+from refengine.speculative.eagle_v2 import EagleV2Worker
+from refengine.speculative.inputs import DraftExtendInput, DraftInput, SeedInput
 
 
 class FrozenKVMTPWorker(EagleV1Worker):

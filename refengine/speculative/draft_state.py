@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from refengine.spec.inputs import CatchUpInput, DraftInput, SeedInput
+from refengine.speculative.inputs import CatchUpInput, DraftInput, SeedInput
 
 RowState = DraftInput | SeedInput | CatchUpInput  # what a worker keeps per request between steps
 

@@ -1,0 +1,99 @@
+"""Graph-runner mutants: padded rows that keep an earlier replay's values, draft-loop
+buffers staged only at capture."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from refengine import Engine
+from refengine.graph.draft_loop import DraftLoopGraph, LoopStaging
+from refengine.graph.runner import GraphRunner
+from refengine.graph.staging import DUMMY_SLOT, StagedViews, Staging, StepInputs
+
+# --- graph runner -------------------------------------------------------------------------------
+
+class _StalePaddedRowsStaging(Staging):
+    def stage(self, step: StepInputs | None, bucket: int) -> StagedViews:
+        raw = 0 if step is None else step.batch_size
+        rows = self.buffers["rows"]
+        left = rows[raw:bucket].clone()
+        views = super().stage(step, bucket)
+        rows[raw:bucket] = left  # BUG: the padded rows keep whatever an earlier batch left
+        return views
+
+
+class _StalePaddedRowsGraphRunner(GraphRunner):
+    staging_class = _StalePaddedRowsStaging
+
+
+class StalePaddedRows(Engine):
+    """Stale padded rows: graph staging rewrites every field of the padded rows but their
+    request rows (req_pool_indices), so after a bigger batch a padded row keeps a real
+    request's row and its attention gathers that request's KV. The outputs are sliced to the
+    real rows and the padded rows still write the dummy slot: only the padding itself shows.
+    """
+
+    graph_runner_class = _StalePaddedRowsGraphRunner
+
+
+class _CaptureTimeBonusTokens(LoopStaging):
+    """Restages every buffer but ``bonus_tokens``, which only the first staging of a bucket
+    (its capture) writes."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._captured: set[int] = set()
+        self._replaying = False
+
+    def stage(self, inputs: dict[str, torch.Tensor] | None, bucket: int
+              ) -> dict[str, torch.Tensor]:
+        self._replaying = bucket in self._captured
+        self._captured.add(bucket)
+        return super().stage(inputs, bucket)
+
+    def restage(self, name: str, buf: torch.Tensor, value: torch.Tensor | None, raw: int,
+                bucket: int) -> None:
+        if name == "bonus_tokens" and self._replaying:
+            return  # BUG: the seed iteration replays the capture-time step's bonus tokens
+        super().restage(name, buf, value, raw, bucket)
+
+
+def loop_staging_runner(staging: type[LoopStaging]) -> type[GraphRunner]:
+    """A graph runner whose draft loops and extend graph stage through ``staging``."""
+    loop = type(f"{staging.__name__}Loop", (DraftLoopGraph,), {"staging_class": staging})
+    return type(f"{staging.__name__}GraphRunner", (GraphRunner,), {"draft_loop_class": loop})
+
+
+class BonusTokensNotRestaged(Engine):
+    """Bonus tokens not restaged: the graph-captured Frozen-KV MTP draft loop folds the seed
+    iteration in, but its ``bonus_tokens`` buffer is written only when a bucket is captured,
+    so every later replay seeds the draft with an earlier step's tokens. Verify still decides
+    every token (output stays lossless); only acceptance drops."""
+
+    graph_runner_class = loop_staging_runner(_CaptureTimeBonusTokens)
+
+
+class _RealColumnsOnly(LoopStaging):
+    """Stages a draft-extend's slots column by column for the accepted tokens only: the front
+    padding inside a real request's row keeps whatever an earlier replay staged there."""
+
+    def restage(self, name: str, buf: torch.Tensor, value: torch.Tensor | None, raw: int,
+                bucket: int) -> None:
+        if name == "slots" and value is not None:
+            real = value != DUMMY_SLOT
+            buf[:raw][real] = value[real]  # BUG: padded columns keep a stale request's slots
+            buf[raw:bucket] = self.fields[name].fill
+            return
+        super().restage(name, buf, value, raw, bucket)
+
+
+class ExtendPaddingNotRestaged(Engine):
+    """Draft-extend padding not restaged: a graphed EAGLE draft-extend pads each request's
+    accepted tokens to a fixed width, and the padded columns' KV slots are left as an earlier
+    replay staged them, so the head writes junk KV into slots that now belong to live
+    positions. Verify still decides every token (output stays lossless); the drafts that read
+    that KV get worse."""
+
+    graph_runner_class = loop_staging_runner(_RealColumnsOnly)

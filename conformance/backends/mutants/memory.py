@@ -1,0 +1,69 @@
+"""Mutants of KV and request-row bookkeeping: leaks on finish and abort, a request that stays
+running after abort, stale committed lengths after retraction."""
+
+from __future__ import annotations
+
+from refengine import Engine
+from refengine.memory.manager import KVManager
+from refengine.request import Req
+from refengine.scheduler import Scheduler
+
+
+class _LeakLastPage(KVManager):
+    def release(self, req: Req) -> None:
+        if req.row is not None and req.finish_reason in ("stop", "length"):
+            # The page loop stops one page short; the row is returned, the page never is.
+            self.truncate(req, self.page_size)
+            self.rows.free_row(req.row)
+            req.row = None
+            return
+        super().release(req)
+
+
+class LeakOnFinish(Engine):
+    """KV slots leak by one page per finished request."""
+
+    kv_manager_class = _LeakLastPage
+
+
+class _AbortKeepsRow(KVManager):
+    def release(self, req: Req) -> None:
+        if req.finish_reason == "abort" and req.row is not None:
+            self.truncate(req, 0)
+            req.row = None  # the row is dropped without going back to the pool
+            return
+        super().release(req)
+
+
+class AbortLeaksRow(Engine):
+    """Abort returns the KV slots but not the request row."""
+
+    kv_manager_class = _AbortKeepsRow
+
+
+class _AbortStaysRunning(Scheduler):
+    def remove(self, req: Req) -> None:
+        if req.finish_reason == "abort" and req in self.running:
+            return  # BUG: the aborted request is never taken off the running list
+        super().remove(req)
+
+
+class AbortStaysRunning(Engine):
+    """An aborted request stays in the running list: it no longer decodes, but it keeps its
+    running slot (and a retraction may pick it and bring it back to life)."""
+
+    scheduler_class = _AbortStaysRunning
+
+
+class _ReleaseKeepsCommitted(KVManager):
+    def release(self, req: Req) -> None:
+        committed = req.kv_committed_len
+        super().release(req)
+        if req.finish_reason is None:  # a retraction (finish and abort set a reason first)
+            req.kv_committed_len = committed  # stale: the re-prefill skips what it "has"
+
+
+class RetractStaleCommitted(Engine):
+    """Retraction frees the KV but leaves the committed length behind."""
+
+    kv_manager_class = _ReleaseKeepsCommitted

@@ -1,0 +1,145 @@
+"""Speculative-sampling mutants: a verifier whose rejection residual keeps the rejected drafts
+(the distribution tier's negative control), and verify paths that misapply top-p or
+temperature."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
+from typing import ClassVar
+
+import torch
+
+from conformance.adapter import SamplingParams
+from conformance.backends.mutants.tables import with_worker
+from conformance.distribution import DraftTree, draft_tree
+from refengine import Engine
+from refengine.request import Req
+from refengine.speculative.draft_model import DraftModelWorker
+from refengine.speculative.eagle_v1 import EagleV1Worker, VerifyOutcome
+from refengine.speculative.frozen_kv_mtp import FrozenKVMTPWorker
+from refengine.speculative.inputs import (
+    VerifyInput,
+)
+from refengine.speculative.verify import SampledPath, verify_tree_sampling
+
+
+def _residual_is_p(p: torch.Tensor, rejected: list[int]) -> torch.Tensor:
+    """BUG: the rejected children stay in. A rejected draft token can come back as the bonus,
+    so each child ``c`` is emitted with ``p(c) + (1 - sum p(children)) p(c)`` instead of
+    ``p(c)``: draft tokens are over-weighted."""
+    return p
+
+
+class _ResidualIsP(EagleV1Worker):
+    """Samples with the biased residual, and records each draft tree per root sequence in
+    ``trees`` so the distribution tier can derive this mutant's exact output distribution (its
+    negative-control power)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.trees: dict[tuple[int, ...], Counter[DraftTree]] = {}
+
+    def sample_path(self, req: Req, vin: VerifyInput, row: int, probs: torch.Tensor
+                    ) -> SampledPath:
+        tokens = vin.draft_tokens[row].tolist()
+        next_token = vin.retrieve_next_token[row].tolist()
+        next_sibling = vin.retrieve_next_sibling[row].tolist()
+        root = (*req.prompt_ids, *req.output_ids)
+        self.trees.setdefault(root, Counter())[draft_tree(tokens, next_token, next_sibling)] += 1
+        return verify_tree_sampling(tokens, next_token, next_sibling, probs, self.spec.num_steps,
+                                    req.seed, self.output_index(req), residual=_residual_is_p)
+
+
+class _MTPResidualIsP(_ResidualIsP, FrozenKVMTPWorker):
+    """The same biased residual over Frozen-KV MTP's draft (the verify path is shared)."""
+
+
+class _DraftModelResidualIsP(_ResidualIsP, DraftModelWorker):
+    """The same biased residual over a standalone draft model's chain."""
+
+
+def verified_draft_trees(handle: object) -> dict[tuple[int, ...], Counter[DraftTree]]:
+    """The draft trees a ``biased_verify_sampler`` handle verified, per root sequence: what the
+    distribution tier needs to derive this negative control's exact output law. Asked of the
+    mutant that recorded them, so the suite never reaches into a handle itself."""
+    worker = getattr(getattr(handle, "engine", None), "worker", None)
+    if not isinstance(worker, _ResidualIsP):
+        raise TypeError("verified_draft_trees: not a biased_verify_sampler handle")
+    return worker.trees
+
+
+class BiasedVerifySampler(Engine):
+    """Speculative sampling draws the bonus after a rejection from the target distribution
+    itself instead of the residual without the rejected drafts: draft tokens are over-weighted.
+
+    Greedy output is untouched, every emitted token is in the support and each run is
+    reproducible; only the distribution of sampled tokens is wrong. Plain decoding (no
+    speculation) is exactly the reference engine's."""
+
+    worker_classes = with_worker("draft_model", _DraftModelResidualIsP, with_worker(
+        "frozen_kv_mtp", _MTPResidualIsP, with_worker("eagle", _ResidualIsP)))
+
+
+# --- sampling parameters on the verify path ----------------------------------------------------
+
+def drop_top_p(params: SamplingParams) -> SamplingParams:
+    """BUG: top-p never reaches the verify path (temperature and top-k do)."""
+    return replace(params, top_p=1.0)
+
+
+def drop_temperature(params: SamplingParams) -> SamplingParams:
+    """BUG: the verify path scores at temperature 1 (the temperature reaches only the plain
+    sampler); greedy requests stay greedy."""
+    return params if params.greedy else replace(params, temperature=1.0)
+
+
+class _VerifyParamsAltered(EagleV1Worker):
+    """Verify sees each sampled request's params through ``verify_params``: its target
+    distribution is built from them, while the plain (prefill) sampler uses the real ones."""
+
+    verify_params: ClassVar[Callable[[SamplingParams], SamplingParams]]
+
+    def verify(self, reqs: list[Req], vin: VerifyInput) -> VerifyOutcome:
+        own = [req.params for req in reqs]
+        for req in reqs:
+            req.params = type(self).verify_params(req.params)
+        try:
+            return super().verify(reqs, vin)
+        finally:
+            for req, params in zip(reqs, own, strict=True):
+                req.params = params
+
+
+class _VerifyIgnoresTopP(_VerifyParamsAltered):
+    verify_params = staticmethod(drop_top_p)
+
+
+class _VerifyIgnoresTemperature(_VerifyParamsAltered):
+    verify_params = staticmethod(drop_temperature)
+
+
+class VerifyIgnoresTopP(Engine):
+    """Top-p ignored in verify: speculative verification samples from the target distribution
+    without top-p filtering while plain sampling applies it, so tokens outside the nucleus are
+    emitted after the first. Greedy output is untouched."""
+
+    worker_classes = with_worker("eagle", _VerifyIgnoresTopP)
+
+
+class VerifyTemperatureMisapplied(Engine):
+    """Temperature misapplied in verify: verification scores the target at temperature 1
+    (the temperature reaches only the plain sampler), so every verified token follows the
+    untempered law. Greedy output is untouched."""
+
+    worker_classes = with_worker("eagle", _VerifyIgnoresTemperature)
+
+
+# The verify-path parameter bugs, by mutant name: their exact output law follows from the
+# altered params alone (verification stays exact for them), which the distribution tier uses
+# to report its power against each.
+VERIFY_PARAM_BUGS: dict[str, Callable[[SamplingParams], SamplingParams]] = {
+    "verify_ignores_top_p": drop_top_p,
+    "verify_temperature_misapplied": drop_temperature,
+}
