@@ -4,9 +4,8 @@
 
 One engine (chain S3/N4, batch 1); the two variants take turns prompt by prompt, and each
 ``EagleV1Worker.draft_extend`` call is timed. The "all rows" variant runs the head's decoder
-layer with no ``keep`` and selects the wanted rows afterwards, which is what the head did
-before it took ``keep``. Outputs must be identical (they are greedy and the draft only
-proposes); the script stops otherwise.
+layer with no ``keep`` and selects the wanted rows afterwards. Outputs must be identical
+(they are greedy and the draft only proposes); the script stops otherwise.
 """
 
 from __future__ import annotations
@@ -19,17 +18,21 @@ import torch
 
 from conformance.bench import load_prompts
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
-from refengine.model import llama
+from refengine.model.eagle import EagleDraftModel
+from refengine.model.llama import ForwardBatch, KVCache
 from refengine.request import Req
 from refengine.speculative.inputs import DraftExtendInput, DraftInput
 
-KEEP_ROWS = llama.DecoderLayer.forward
+KEEP_ROWS = EagleDraftModel.forward
 
 
-def all_rows(self: llama.DecoderLayer, x: torch.Tensor, batch: llama.ForwardBatch,
-             kv: object, rope: llama.RopeAt, keep: torch.Tensor | None = None) -> torch.Tensor:
-    out = KEEP_ROWS(self, x, batch, kv, rope, None)  # type: ignore[arg-type]
-    return out if keep is None else out.index_select(0, keep)
+@torch.inference_mode()
+def all_rows(self: EagleDraftModel, batch: ForwardBatch, features: torch.Tensor, kv: KVCache
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    x = self.fuse(batch.input_ids, features)
+    x = self.layer(x, self.rotary.at(batch.positions, x.dtype), batch.attention,
+                   batch.out_slots, kv)
+    return self.predict(batch.wanted(x))
 
 
 def main() -> None:
@@ -65,10 +68,10 @@ def main() -> None:
             for prompt in prompts:
                 for name, forward in variants.items():
                     current[0] = name
-                    llama.DecoderLayer.forward = forward  # type: ignore[method-assign]
+                    EagleDraftModel.forward = forward  # type: ignore[method-assign]
                     outputs[name].append(engine.generate([prompt], params)[0].output_ids)
     finally:
-        llama.DecoderLayer.forward = KEEP_ROWS  # type: ignore[method-assign]
+        EagleDraftModel.forward = KEEP_ROWS  # type: ignore[method-assign]
     if outputs["keep rows"] != outputs["all rows"]:
         raise SystemExit("outputs differ between the two variants")
     for name in variants:

@@ -35,6 +35,7 @@ from refengine.config import SamplingParams
 from refengine.data import resolve_model_dir
 from refengine.graph import GraphRunner, StagedViews, StepInputs
 from refengine.graph.runner import GraphBatch
+from refengine.memory.kv_pool import KVPool
 from refengine.memory.manager import KVManager
 from refengine.model.llama import ForwardBatch, ForwardOutput, LlamaForCausalLM
 from refengine.request import Req
@@ -143,22 +144,14 @@ def profile_steps(runner: ModelRunner, forward: Callable[[ForwardBatch], Forward
 def trap(runner: ModelRunner, graph: GraphRunner, reqs: list[Req], kv_width: int) -> None:
     """The naive compiled forward: the pool write (``KVPool.write``'s indexing) traced inside
     the compiled region, where functionalization makes it a copy of the whole pool."""
-    from refengine.graph.executors import _finish_layer, _project
     from refengine.graph.staging import static_attention
 
-    def naive(model: LlamaForCausalLM, k_pool: torch.Tensor, v_pool: torch.Tensor,
-              views: StagedViews, table: torch.Tensor, max_kv: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = model.model.embed_tokens(views.input_ids)
-        rope = model.rotary.at(views.positions, x.dtype)
-        meta = static_attention(views.rows, views.seq_lens, views.tree_mask, table, max_kv)
-        for i, layer in enumerate(model.model.layers):
-            q, k, v = _project(layer, x, rope.cos, rope.sin)
-            k_pool[i, views.out_slots] = k
-            v_pool[i, views.out_slots] = v
-            x = _finish_layer(layer, x, q, k_pool[i], v_pool[i], meta.kv_slots, meta.mask)
-        features = model.model.norm(x)
-        return model.lm_head(features).float(), features
+    def naive(model: LlamaForCausalLM, pool: KVPool, views: StagedViews, table: torch.Tensor,
+              max_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+        attention = static_attention(views.rows, views.seq_lens, views.tree_mask, table, max_kv)
+        features = model.features(views.input_ids, views.positions, attention,
+                                  views.out_slots, pool)  # the pool's own indexed writes
+        return model.logits(features), features
 
     compiled = torch.compile(naive, fullgraph=True, dynamic=False)
     width = kv_width or runner.kv.rows.table.shape[1]
@@ -170,8 +163,7 @@ def trap(runner: ModelRunner, graph: GraphRunner, reqs: list[Req], kv_width: int
         views = graph.staging["decode"].stage(StepInputs(
             batch.input_ids, batch.positions, batch.out_slots, batch.rows, batch.seq_lens), 1)
         with torch.inference_mode():
-            logits, features = compiled(runner.target, kv.k, kv.v, views, runner.kv.rows.table,
-                                        width)
+            logits, features = compiled(runner.target, kv, views, runner.kv.rows.table, width)
         return ForwardOutput(logits, features)
 
     start = time.perf_counter()

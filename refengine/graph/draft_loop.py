@@ -35,12 +35,7 @@ from typing import Any
 
 import torch
 
-from refengine.graph.executors import (
-    WarmKeys,
-    _finish_layer,
-    _own_code,
-    _project,
-)
+from refengine.graph.compile import InPlaceKV, WarmKeys, own_code
 from refengine.graph.staging import DUMMY_ROW, DUMMY_SLOT, block_attention, pad_to_bucket
 from refengine.memory.kv_pool import KVPool
 from refengine.model.attention import AttentionMetadata
@@ -137,20 +132,17 @@ class LoopStaging:
 # --- the loops: the captured callables --------------------------------------------------------
 
 
-def eagle_draft_forward(draft: EagleDraftModel, pool: KVPool, tokens: torch.Tensor,
-                        features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                        meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """``EagleDraftModel.forward`` restated with its KV write through ``refengine::write_kv``
-    (in place, never traced as a pool update; see ``executors``): the graph tier checks it
-    against the model's own forward."""
-    x = draft.fc(torch.cat([draft._embed(tokens), features.to(draft.fc.weight.dtype)], dim=-1))
-    rope = draft._rotary.at(positions, x.dtype)
-    layer = draft.layers[0]
-    q, k, v = _project(layer, x, rope.cos, rope.sin)
-    torch.ops.refengine.write_kv(pool.k, pool.v, 0, slots, k, v)
-    x = _finish_layer(layer, x, q, pool.k[0], pool.v[0], meta.kv_slots, meta.mask)
-    predicted = draft.norm(x)
-    return draft._lm_head(predicted).float(), predicted
+def eagle_forward(draft: EagleDraftModel, pool: KVPool, tokens: torch.Tensor,
+                  features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                  attention: AttentionMetadata, keep: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``EagleDraftModel.forward`` on a graph's tensors, its KV written through
+    ``refengine::write_kv``: every row writes into ``slots``; the ``keep`` rows (all if None),
+    whose queries ``attention`` covers, are predicted from."""
+    x = draft.fuse(tokens, features)
+    x = draft.layer(x, draft.rotary.at(positions, x.dtype), attention, slots,
+                    InPlaceKV(pool.k, pool.v), keep)
+    return draft.predict(x)
 
 
 def eagle_loop(draft: EagleDraftModel, pool: KVPool, table: torch.Tensor, topk: int,
@@ -163,10 +155,10 @@ def eagle_loop(draft: EagleDraftModel, pool: KVPool, table: torch.Tensor, topk: 
                 node_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         block = (torch.ones((b, 1, i), dtype=torch.bool, device=rows.device)
                  if node_mask is None else node_mask[:, :, :i * k])
-        meta = block_attention(rows, roots, block, table, max_kv)
+        attention = block_attention(rows, roots, block, table, max_kv)
         positions = (roots + (i - 1))[:, None].expand(b, k).reshape(-1)
-        return eagle_draft_forward(draft, pool, tokens, features, positions,
-                                   scratch[:, (i - 1) * k:i * k].reshape(-1), meta)
+        return eagle_forward(draft, pool, tokens, features, positions,
+                             scratch[:, (i - 1) * k:i * k].reshape(-1), attention)
 
     return search(topk_p, topk_index, hidden, steps, forward)
 
@@ -184,31 +176,23 @@ def eagle_extend(draft: EagleDraftModel, pool: KVPool, table: torch.Tensor, topk
     b, n = ids.shape
     columns = torch.arange(n, device=ids.device)
     positions = (ends[:, None] - n + columns).clamp(min=0).reshape(-1)
-    x = draft.fc(torch.cat([draft._embed(ids.reshape(-1)),
-                            hidden.reshape(b * n, -1).to(draft.fc.weight.dtype)], dim=-1))
-    rope = draft._rotary.at(positions, x.dtype)
-    layer = draft.layers[0]
-    q, k, v = _project(layer, x, rope.cos, rope.sin)
-    torch.ops.refengine.write_kv(pool.k, pool.v, 0, slots.reshape(-1), k, v)
     last = torch.arange(b, device=ids.device) * n + (n - 1)
-    meta = block_attention(rows, ends - 1, torch.ones((b, 1, 1), dtype=torch.bool,
-                                                      device=ids.device), table, max_kv)
-    x = _finish_layer(layer, x.index_select(0, last), q.index_select(0, last), pool.k[0],
-                      pool.v[0], meta.kv_slots, meta.mask)
-    predicted = draft.norm(x)
-    return draft._lm_head(predicted).float(), predicted
+    attention = block_attention(rows, ends - 1, torch.ones((b, 1, 1), dtype=torch.bool,
+                                                           device=ids.device), table, max_kv)
+    return eagle_forward(draft, pool, ids.reshape(-1), hidden.reshape(b * n, -1), positions,
+                         slots.reshape(-1), attention, keep=last)
 
 
-def mtp_draft_forward(draft: FrozenKVMTPDraftModel, tokens: torch.Tensor, hidden: torch.Tensor,
-                      positions: torch.Tensor, meta: AttentionMetadata, pool: KVPool
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def mtp_forward(draft: FrozenKVMTPDraftModel, tokens: torch.Tensor, hidden: torch.Tensor,
+                positions: torch.Tensor, attention: AttentionMetadata, pool: KVPool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The assistant's own forward (its class's, a subclass's included) without the
     ``inference_mode`` decorator where it has one: the executor already runs in inference mode,
     and inductor cannot compile the decorator's mode switch (it fails on the pool's inference
     tensors)."""
     forward = type(draft).forward
     forward = getattr(forward, "__wrapped__", forward)
-    return forward(draft, tokens, hidden, positions, meta, pool)
+    return forward(draft, tokens, hidden, positions, attention, pool)
 
 
 def mtp_loop(draft: FrozenKVMTPDraftModel, pool: KVPool, table: torch.Tensor, topk: int,
@@ -223,13 +207,12 @@ def mtp_loop(draft: FrozenKVMTPDraftModel, pool: KVPool, table: torch.Tensor, to
                                one, table, max_kv)
     positions = (seq_lens - 1).clamp(min=0).repeat_interleave(k)
     seed = AttentionMetadata(expanded.kv_slots[::k], expanded.mask[::k])
-    logits, seed_hidden = mtp_draft_forward(draft, bonus_tokens, hidden, positions[::k], seed,
-                                            pool)
+    logits, seed_hidden = mtp_forward(draft, bonus_tokens, hidden, positions[::k], seed, pool)
     topk_p, topk_index = top_k(logits, k)
 
     def forward(i: int, tokens: torch.Tensor, features: torch.Tensor,
                 node_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return mtp_draft_forward(draft, tokens, features, positions, expanded, pool)
+        return mtp_forward(draft, tokens, features, positions, expanded, pool)
 
     return search(topk_p, topk_index, seed_hidden, steps, forward)
 
@@ -337,7 +320,7 @@ class DraftLoopGraph:
             if self.executor == "replay":
                 return self._loop(*args, **views)
             if key not in self._compiled:
-                self._compiled[key] = torch.compile(_own_code(self._loop), fullgraph=True,
+                self._compiled[key] = torch.compile(own_code(self._loop), fullgraph=True,
                                                     dynamic=False)
             with self._warm.settings(key):
                 return self._compiled[key](*args, **views)

@@ -17,8 +17,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from refengine.memory.kv_pool import KVPool
-from refengine.model.llama import DecoderLayer, ForwardBatch, LlamaForCausalLM, RMSNorm
+from refengine.model.llama import (
+    DecoderLayer,
+    ForwardBatch,
+    KVCache,
+    LlamaForCausalLM,
+    RMSNorm,
+    Rotary,
+)
 from refengine.model.loader import (
     DRAFT_FILES,
     ModelConfig,
@@ -38,25 +44,45 @@ class EagleDraftModel(nn.Module):
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(cfg, 0)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # Shared with the target. Set past nn.Module.__setattr__ so they are not registered as
-        # submodules: they belong to the target's parameters, not the head's state dict.
-        object.__setattr__(self, "_embed", target.model.embed_tokens)
-        object.__setattr__(self, "_lm_head", target.lm_head)
-        object.__setattr__(self, "_rotary", target.rotary)
+        # The target's embedding, LM head and rotary tables, set past nn.Module.__setattr__ so
+        # they are not registered as submodules: they are the target's parameters, not part of
+        # the head's state dict.
+        object.__setattr__(self, "target_embed", target.model.embed_tokens)
+        object.__setattr__(self, "target_lm_head", target.lm_head)
+        object.__setattr__(self, "rotary", target.rotary)
+
+    target_embed: nn.Embedding
+    target_lm_head: nn.Linear
+    rotary: Rotary
+
+    @property
+    def layer(self) -> DecoderLayer:
+        """The head's one decoder layer (KV layer 0 of the draft pool)."""
+        return self.layers[0]  # type: ignore[return-value]
+
+    def fuse(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """``fc`` over [embedding; feature], one row per token: the decoder layer's input."""
+        return self.fc(torch.cat([self.target_embed(input_ids),
+                                  features.to(self.fc.weight.dtype)], dim=-1))
+
+    def predict(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder-layer output -> (logits float32, predicted features)."""
+        predicted = self.norm(x)
+        return self.target_lm_head(predicted).float(), predicted
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, features: torch.Tensor, kv: KVPool
+    def forward(self, batch: ForwardBatch, features: torch.Tensor, kv: KVCache
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (logits [wanted tokens, vocab] float32, predicted features [wanted tokens, H]).
 
         Every row writes its draft KV; with one layer, only the wanted rows (``logits_index``)
         need the rest of it: draft-extend and prefill want one row per request of several."""
-        x = self.fc(torch.cat([self._embed(batch.input_ids), features.to(self.fc.weight.dtype)],
-                              dim=-1))
-        x = self.layers[0](x, batch, kv, self._rotary.at(batch.positions, x.dtype),
-                           keep=batch.logits_index)
-        predicted = self.norm(x)
-        return self._lm_head(predicted).float(), predicted
+        x = self.fuse(batch.input_ids, features)
+        keep = batch.logits_index
+        attention = batch.attention if keep is None else batch.attention.at_queries(keep)
+        x = self.layer(x, self.rotary.at(batch.positions, x.dtype), attention,
+                       batch.out_slots, kv, keep)
+        return self.predict(x)
 
     @classmethod
     def load(cls, path: Path, target: LlamaForCausalLM, dtype: torch.dtype,

@@ -37,12 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from refengine.memory.kv_pool import KVPool
 from refengine.model.attention import AttentionMetadata, paged_attention
-from refengine.model.llama import LlamaForCausalLM, RMSNorm, RopeAt
+from refengine.model.llama import LlamaForCausalLM, RMSNorm, RopeAt, Rotary, SwiGLU
 from refengine.model.loader import (
     DRAFT_FILES,
     check_state_dict,
@@ -111,17 +110,6 @@ class QueryOnlyAttention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class MTPLayer(nn.Module):
     """A pre-norm decoder layer at the assistant's width with query-only attention."""
 
@@ -148,10 +136,14 @@ class FrozenKVMTPDraftModel(nn.Module):
         self.post_projection = nn.Linear(cfg.hidden_size, cfg.target_hidden_size, bias=False)
         self.lm_head = nn.Linear(cfg.target_hidden_size, cfg.vocab_size, bias=False)
         self.embed_scale = math.sqrt(cfg.target_hidden_size)
-        # Shared with the target. Set past nn.Module.__setattr__ so they are not registered as
-        # submodules: they belong to the target's parameters, not the assistant's state dict.
-        object.__setattr__(self, "_embed", target.model.embed_tokens)
-        object.__setattr__(self, "_rotary", target.rotary)
+        # The target's embedding and rotary tables, set past nn.Module.__setattr__ so they are
+        # not registered as submodules: they are the target's parameters, not part of the
+        # assistant's state dict.
+        object.__setattr__(self, "target_embed", target.model.embed_tokens)
+        object.__setattr__(self, "rotary", target.rotary)
+
+    target_embed: nn.Embedding
+    rotary: Rotary
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -164,9 +156,9 @@ class FrozenKVMTPDraftModel(nn.Module):
         ``[0, seq_len)`` (``AttentionMetadata.build`` with extend length 1 and ``seq_len``,
         which must be at least 1). ``kv`` is read, never written.
         """
-        e = self._embed(input_ids) * self.embed_scale
-        x = self.pre_projection(torch.cat([e, hidden.to(e.dtype)], dim=-1))
-        rope = self._rotary.at(positions, x.dtype)
+        embedded = self.target_embed(input_ids) * self.embed_scale
+        x = self.pre_projection(torch.cat([embedded, hidden.to(embedded.dtype)], dim=-1))
+        rope = self.rotary.at(positions, x.dtype)
         layer = self.config.kv_layer
         k_cache, v_cache = kv.k[layer], kv.v[layer]
         for block in self.layers:

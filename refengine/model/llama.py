@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from refengine.memory.kv_pool import KVPool
 from refengine.model.attention import AttentionMetadata, paged_attention
 from refengine.model.loader import (
     ModelConfig,
@@ -84,6 +84,18 @@ class RopeAt:
         return x * self.cos + rotated * self.sin
 
 
+class KVCache(Protocol):
+    """Where a forward's decoder layers write their K and V and read them back: the pool
+    (``KVPool``) when eager, a wrapper whose ``write`` is an opaque in-place op inside a
+    compiled graph."""
+
+    k: torch.Tensor  # [layers, slots, kv_heads, head_dim]
+    v: torch.Tensor
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+              ) -> None: ...
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -95,48 +107,67 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: RopeAt,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
-        """Every row writes its KV; the output has the ``keep`` rows only (all if None)."""
+    def project(self, x: torch.Tensor, rope: RopeAt
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed input -> (q, k, v), q and k rotated: ``[tokens, heads, head_dim]``."""
         n = x.shape[0]
         q = rope.apply(self.q_proj(x).view(n, self.heads, self.head_dim))
         k = rope.apply(self.k_proj(x).view(n, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
-        kv.write(self.layer, batch.out_slots, k, v)
-        meta = batch.attention
-        if keep is not None:
-            q, meta = q.index_select(0, keep), meta.at_queries(keep)
-        out = paged_attention(q, kv.k[self.layer], kv.v[self.layer], meta,
-                              self.head_dim ** -0.5)
+        return q, k, self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               attention: AttentionMetadata) -> torch.Tensor:
+        """Attention of ``q`` over one layer's cache, then the output projection."""
+        out = paged_attention(q, k_cache, v_cache, attention, self.head_dim ** -0.5)
         return self.o_proj(out.flatten(1))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
+    """A pre-norm decoder layer. Its forward is ``project``, the KV write, ``finish``; a
+    compiled graph may put the write between the two itself."""
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, rope: RopeAt,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
-        """Every row writes its KV; the output has the ``keep`` rows only (all if None): the
-        last layer of a stack needs no attention or MLP work for rows nobody reads."""
-        attended = self.self_attn(self.input_layernorm(x), batch, kv, rope, keep)
-        x = attended + (x if keep is None else x.index_select(0, keep))
+    def project(self, x: torch.Tensor, rope: RopeAt
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer input -> (q, k, v) of every row, q and k rotated."""
+        return self.self_attn.project(self.input_layernorm(x), rope)
+
+    def finish(self, x: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, attention: AttentionMetadata) -> torch.Tensor:
+        """Attention over the cache (this forward's KV already written), the residual, the
+        MLP: the layer's output for the rows of ``x`` and ``q``."""
+        x = self.self_attn.attend(q, k_cache, v_cache, attention) + x
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x: torch.Tensor, rope: RopeAt, attention: AttentionMetadata,
+                slots: torch.Tensor, kv: KVCache, keep: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Every row writes its KV into ``slots``; the output has the ``keep`` rows only (all
+        if None), and ``attention`` is that of their queries: the last layer of a stack needs
+        no attention or MLP work for rows nobody reads."""
+        q, k, v = self.project(x, rope)
+        layer = self.self_attn.layer
+        kv.write(layer, slots, k, v)
+        if keep is not None:
+            x, q = x.index_select(0, keep), q.index_select(0, keep)
+        return self.finish(x, q, kv.k[layer], kv.v[layer], attention)
 
 
 class LlamaBody(nn.Module):
@@ -164,14 +195,32 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings + ROTARY_HEADROOM,
                              cfg.rope_theta)
 
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVPool) -> ForwardOutput:
-        x = self.model.embed_tokens(batch.input_ids)
-        rope = self.rotary.at(batch.positions, x.dtype)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, RopeAt]:
+        """The first decoder layer's input and the rotary tables at ``positions``."""
+        x = self.model.embed_tokens(input_ids)
+        return x, self.rotary.at(positions, x.dtype)
+
+    def features(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 attention: AttentionMetadata, slots: torch.Tensor, kv: KVCache
+                 ) -> torch.Tensor:
+        """Embedding, every decoder layer (each writing its KV into ``slots``), final norm:
+        the features the LM head reads, one row per token. Not in inference mode itself, so a
+        compiled graph can trace it."""
+        x, rope = self.embed(input_ids, positions)
         for layer in self.model.layers:
-            x = layer(x, batch, kv, rope)
-        features = self.model.norm(x)
-        return ForwardOutput(self.lm_head(batch.wanted(features)).float(), features)
+            x = layer(x, rope, attention, slots, kv)
+        return self.model.norm(x)
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The LM head, in float32."""
+        return self.lm_head(features).float()
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> ForwardOutput:
+        features = self.features(batch.input_ids, batch.positions, batch.attention,
+                                 batch.out_slots, kv)
+        return ForwardOutput(self.logits(batch.wanted(features)), features)
 
     @classmethod
     def load(cls, path: Path, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
