@@ -1,5 +1,6 @@
 """``paged_attention`` against a plain per-request causal attention, for uniform batches (the
-unpadded fast path: decode, verify, draft steps) and ragged ones (padded queries)."""
+unpadded fast path: decode, verify, draft steps) and ragged ones (padded queries), and the
+visibility rule every metadata comes from."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refengine.model.attention import AttentionMetadata, paged_attention
+from refengine.model.attention import AttentionMetadata, paged_attention, visible_keys
 
 HEADS, KV_HEADS, DIM, SLOTS = 4, 2, 8, 256
 
@@ -74,3 +75,48 @@ def test_at_queries_is_the_full_attention_at_those_tokens(
     part = paged_attention(q[keep], k_cache, v_cache, meta.at_queries(keep), DIM ** -0.5)
     assert part.shape == (len(keep), HEADS, DIM)
     torch.testing.assert_close(part, full[keep])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 12), min_size=1, max_size=4), st.integers(1, 4),
+       st.integers(1, 6), st.booleans(), st.integers(0, 2**31 - 1))
+def test_visible_keys_is_prefix_and_block(prefixes: list[int], queries: int, m: int,
+                                          causal: bool, seed: int) -> None:
+    """The one visibility rule, against its statement checked position by position: a query
+    sees its request's prefix and, of the block after it, what its row of the block mask (or
+    the causal block) allows; nothing past. Both the eager and the graph metadata come from
+    it."""
+    gen = torch.Generator().manual_seed(seed)
+    if causal:
+        m, block = queries, None
+    else:
+        block = torch.rand((len(prefixes), queries, m), generator=gen) < 0.5
+    width = max(prefixes) + m + 2  # columns past every block
+    mask = visible_keys(torch.tensor(prefixes), width, block, queries)
+    assert mask.shape == (len(prefixes), 1, queries, width)
+    for b, prefix in enumerate(prefixes):
+        for i in range(queries):
+            for j in range(width):
+                if j < prefix:
+                    want = True
+                elif j >= prefix + m:
+                    want = False
+                elif block is None:
+                    want = j - prefix <= i
+                else:
+                    want = bool(block[b, i, j - prefix])
+                assert bool(mask[b, 0, i, j]) == want, (b, i, j)
+
+
+def test_build_places_custom_masks_after_the_prefix() -> None:
+    """A custom mask ``[n, m]`` covers the last ``m`` key positions; every earlier position is
+    visible, none past the request's length (shorter requests in a wider batch)."""
+    table = torch.arange(2 * 16).view(2, 16)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    meta = AttentionMetadata.build(table, torch.tensor([1, 0]), [3, 3], [7, 10], [tree, tree])
+    assert meta.ragged is None and meta.mask.shape == (2, 1, 3, 10)
+    assert torch.equal(meta.kv_slots, table[[1, 0], :10])
+    for b, end in enumerate((7, 10)):
+        assert meta.mask[b, 0, :, :end - 3].all()
+        assert torch.equal(meta.mask[b, 0, :, end - 3:end], tree)
+        assert not meta.mask[b, 0, :, end:].any()

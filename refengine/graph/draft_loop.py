@@ -17,10 +17,10 @@ Two loops, one per draft kind, and EAGLE's draft-extend:
   predicts from the last one.
 
 The loops end with ``search`` (``refengine/speculative/draft_search.py``: the chain or the
-beam), the
-same search the eager draft runs, so only the forwards differ: here their attention metadata
-is derived inside the graph from the staged rows and lengths (``block_attention``) at a fixed
-key width. Tree assembly stays eager, in the worker.
+beam), the same search the eager draft runs, so only the forwards differ: here their attention
+metadata is derived inside the graph from the staged rows and lengths
+(``AttentionMetadata.over_blocks``) at a fixed key width. Tree assembly stays eager, in the
+worker.
 
 Padding: every padded row reads and writes only the reserved dummy row/slot and computes
 finite values (``LOOP_FIELDS`` says why for each buffer).
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from refengine.graph.compile import InPlaceKV, WarmKeys, own_code
-from refengine.graph.staging import DUMMY_ROW, DUMMY_SLOT, block_attention, pad_to_bucket
+from refengine.graph.staging import DUMMY_ROW, DUMMY_SLOT, pad_to_bucket
 from refengine.memory.kv_pool import KVPool
 from refengine.model.attention import AttentionMetadata
 from refengine.model.eagle import EagleDraftModel
@@ -155,7 +155,7 @@ def eagle_loop(draft: EagleDraftModel, pool: KVPool, table: torch.Tensor, topk: 
                 node_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         block = (torch.ones((b, 1, i), dtype=torch.bool, device=rows.device)
                  if node_mask is None else node_mask[:, :, :i * k])
-        attention = block_attention(rows, roots, block, table, max_kv)
+        attention = AttentionMetadata.over_blocks(table, rows, roots, max_kv, block)
         positions = (roots + (i - 1))[:, None].expand(b, k).reshape(-1)
         return eagle_forward(draft, pool, tokens, features, positions,
                              scratch[:, (i - 1) * k:i * k].reshape(-1), attention)
@@ -177,8 +177,7 @@ def eagle_extend(draft: EagleDraftModel, pool: KVPool, table: torch.Tensor, topk
     columns = torch.arange(n, device=ids.device)
     positions = (ends[:, None] - n + columns).clamp(min=0).reshape(-1)
     last = torch.arange(b, device=ids.device) * n + (n - 1)
-    attention = block_attention(rows, ends - 1, torch.ones((b, 1, 1), dtype=torch.bool,
-                                                           device=ids.device), table, max_kv)
+    attention = AttentionMetadata.over_blocks(table, rows, ends - 1, max_kv)  # the last rows
     return eagle_forward(draft, pool, ids.reshape(-1), hidden.reshape(b * n, -1), positions,
                          slots.reshape(-1), attention, keep=last)
 
@@ -201,10 +200,9 @@ def mtp_loop(draft: FrozenKVMTPDraftModel, pool: KVPool, table: torch.Tensor, to
     """The seed (iteration 0) over one row per request, then ``steps - 1`` iterations over
     ``topk`` rows per request; every query sits at ``seq_len - 1`` and sees ``[0, seq_len)``,
     so one metadata serves them all."""
-    b, k = rows.shape[0], topk
-    one = torch.ones((b * k, 1, 1), dtype=torch.bool, device=rows.device)
-    expanded = block_attention(rows.repeat_interleave(k), (seq_lens - 1).repeat_interleave(k),
-                               one, table, max_kv)
+    k = topk
+    expanded = AttentionMetadata.over_blocks(table, rows.repeat_interleave(k),
+                                             (seq_lens - 1).repeat_interleave(k), max_kv)
     positions = (seq_lens - 1).clamp(min=0).repeat_interleave(k)
     seed = AttentionMetadata(expanded.kv_slots[::k], expanded.mask[::k])
     logits, seed_hidden = mtp_forward(draft, bonus_tokens, hidden, positions[::k], seed, pool)

@@ -195,30 +195,8 @@ class Staging:
 def static_attention(rows: torch.Tensor, seq_lens: torch.Tensor, tree_mask: torch.Tensor,
                      table: torch.Tensor, max_kv: int) -> AttentionMetadata:
     """The attention metadata of a staged batch (``StagedViews`` fields), at a fixed key width
-    ``max_kv``.
-
-    Same visibility as ``AttentionMetadata.build`` for equal-length requests: the cached
-    prefix ``[0, seq_len - q)`` is visible to every new token, the block of new tokens follows
-    the tree mask, nothing at or past ``seq_len`` is visible. Padded rows (row 0, length q,
+    ``max_kv``: the cached prefix ``[0, seq_len - q)`` is visible to every new token, the block
+    of new tokens follows the tree mask (``visible_keys``). Padded rows (row 0, length q,
     first-column tree mask) see the dummy slot only."""
-    return block_attention(rows, seq_lens - tree_mask.shape[1], tree_mask, table, max_kv)
-
-
-def block_attention(rows: torch.Tensor, prefix_lens: torch.Tensor, block_mask: torch.Tensor,
-                    table: torch.Tensor, max_kv: int) -> AttentionMetadata:
-    """``q`` queries per request (``block_mask [B, q, m]``): every query sees its request's
-    prefix ``[0, prefix_len)`` and, of the ``m`` positions after it, those its row of
-    ``block_mask`` allows; nothing else. The verify block (``m == q``, the tree mask) and a
-    draft step (``m`` scratch entries, each node's ancestors) are both this.
-
-    Pure tensor ops with shapes fixed by the bucket (no host sync, no data-dependent shape), so
-    it can live inside a compiled or captured region."""
-    q, m = block_mask.shape[1], block_mask.shape[2]
-    rel = (torch.arange(max_kv, device=prefix_lens.device)[None, :]
-           - prefix_lens[:, None])                                   # [B, max_kv]
-    in_block = (rel >= 0) & (rel < m)
-    block = block_mask.gather(
-        2, rel.clamp(0, m - 1)[:, None, :].expand(-1, q, -1))       # [B, q, max_kv]
-    mask = (rel < 0)[:, None, :] | (in_block[:, None, :] & block)
-    kv_slots = table[:, :max_kv].index_select(0, rows)      # [B, max_kv]
-    return AttentionMetadata(kv_slots, mask[:, None])
+    return AttentionMetadata.over_blocks(table, rows, seq_lens - tree_mask.shape[1], max_kv,
+                                         tree_mask)

@@ -33,7 +33,6 @@ target's, since the queries meet the target's keys.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,6 +40,7 @@ from torch import nn
 
 from refengine.memory.kv_pool import KVPool
 from refengine.model.attention import AttentionMetadata, paged_attention
+from refengine.model.configs import MTP_ARCHITECTURE, FrozenKVMTPConfig
 from refengine.model.llama import LlamaForCausalLM, RMSNorm, RopeAt, Rotary, SwiGLU
 from refengine.model.loader import (
     DRAFT_FILES,
@@ -50,45 +50,6 @@ from refengine.model.loader import (
     require_files,
 )
 from refengine.model.weight_layout import place_for_decoding
-
-MTP_ARCHITECTURE = "FrozenKVMTPAssistant"
-MTP_MODEL_TYPE = "frozen_kv_mtp"
-
-
-@dataclass(frozen=True)
-class FrozenKVMTPConfig:
-    """The assistant's hyper-parameters (its config.json names)."""
-
-    hidden_size: int            # d, the trunk's width
-    target_hidden_size: int     # H, the width of the features it reads and predicts
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int    # query heads, the target's count
-    num_key_value_heads: int    # the target's KV heads (GQA over its cache)
-    head_dim: int
-    kv_layer: int               # the target layer whose K and V every layer attends over
-    vocab_size: int
-    rms_norm_eps: float
-
-    @classmethod
-    def from_dict(cls, raw: dict, source: Path) -> FrozenKVMTPConfig:
-        if raw.get("model_type") != MTP_MODEL_TYPE:
-            raise ValueError(f"{source}: model_type must be {MTP_MODEL_TYPE!r}, "
-                             f"got {raw.get('model_type')!r}")
-        try:
-            return cls(
-                hidden_size=int(raw["hidden_size"]),
-                target_hidden_size=int(raw["target_hidden_size"]),
-                intermediate_size=int(raw["intermediate_size"]),
-                num_hidden_layers=int(raw["num_hidden_layers"]),
-                num_attention_heads=int(raw["num_attention_heads"]),
-                num_key_value_heads=int(raw["num_key_value_heads"]),
-                head_dim=int(raw["head_dim"]), kv_layer=int(raw["kv_layer"]),
-                vocab_size=int(raw["vocab_size"]), rms_norm_eps=float(raw["rms_norm_eps"]))
-        except KeyError as missing:
-            raise ValueError(f"{source}: missing field {missing}") from None
-        except (TypeError, ValueError) as err:  # e.g. "hidden_size": null or "x"
-            raise ValueError(f"{source}: bad field value ({err})") from None
 
 
 class QueryOnlyAttention(nn.Module):

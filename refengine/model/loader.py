@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+
+from refengine.model.configs import MTP_ARCHITECTURE, FrozenKVMTPConfig, ModelConfig
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 DRAFT_FILES = ("config.json", "model.safetensors")  # a draft head uses the target's tokenizer
@@ -27,48 +28,6 @@ SAFETENSORS_ITEMSIZE: dict[str, int] = {
 }
 # A clone made without git-lfs holds this text pointer in place of the weights.
 LFS_POINTER = b"version https://git-lfs"
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The Llama hyper-parameters the forward pass needs (HF config.json names)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    rope_theta: float
-    eos_token_id: int
-    tie_word_embeddings: bool
-
-    @classmethod
-    def from_dict(cls, raw: dict, source: Path) -> ModelConfig:
-        if raw.get("model_type") != "llama":
-            raise ValueError(f"{source}: model_type must be 'llama', got {raw.get('model_type')!r}")
-        try:
-            heads = int(raw["num_attention_heads"])
-            rope = raw.get("rope_parameters") or {}
-            eos = raw.get("eos_token_id", 0)
-            return cls(
-                vocab_size=int(raw["vocab_size"]), hidden_size=int(raw["hidden_size"]),
-                intermediate_size=int(raw["intermediate_size"]),
-                num_hidden_layers=int(raw["num_hidden_layers"]), num_attention_heads=heads,
-                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
-                max_position_embeddings=int(raw["max_position_embeddings"]),
-                rms_norm_eps=float(raw["rms_norm_eps"]),
-                rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
-                eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)))
-        except KeyError as missing:
-            raise ValueError(f"{source}: missing field {missing}") from None
-        except (TypeError, ValueError) as err:  # e.g. "hidden_size": null or "x"
-            raise ValueError(f"{source}: bad field value ({err})") from None
 
 
 def _corrupt(path: Path, problem: str) -> ValueError:
@@ -174,10 +133,7 @@ def check_draft_dir(path: Path) -> None:
     which has no tokenizer of its own."""
     require_files(path, DRAFT_FILES, "draft model")
     raw = read_config_json(path)
-    if "FrozenKVMTPAssistant" in raw.get("architectures", []):
-        # Imported here: the assistant's module imports this one for its weights.
-        from refengine.model.frozen_kv_mtp import FrozenKVMTPConfig
-
+    if MTP_ARCHITECTURE in raw.get("architectures", []):
         FrozenKVMTPConfig.from_dict(raw, path / "config.json")
     else:
         ModelConfig.from_dict(raw, path / "config.json")
