@@ -72,11 +72,12 @@ def make_batch(graph: GraphRunner, kind: str, reqs: list[Req]) -> ForwardBatch:
         return graph.prepare_extend(reqs, [1] * b, [7] * b, list(range(b)))
     start = torch.tensor([r.kv_committed_len for r in reqs])
     minus = torch.full((b, VERIFY_N), -1, dtype=torch.int64)
-    vin = VerifyInput(torch.full((b, VERIFY_N), 7, dtype=torch.int64),
-                      torch.ones(b, VERIFY_N, VERIFY_N, dtype=torch.bool).tril(),
-                      start[:, None] + torch.arange(VERIFY_N), minus, minus, minus, minus)
+    verify_input = VerifyInput(torch.full((b, VERIFY_N), 7, dtype=torch.int64),
+                               torch.ones(b, VERIFY_N, VERIFY_N, dtype=torch.bool).tril(),
+                               start[:, None] + torch.arange(VERIFY_N), minus, minus, minus,
+                               minus)
     slots = torch.stack([graph.kv.extend(r, VERIFY_N) for r in reqs])
-    return graph.prepare_verify(reqs, vin, slots, causal=True)
+    return graph.prepare_verify(reqs, verify_input, slots, causal=True)
 
 
 EXECUTORS = ("replay", "compiled", "compiled-layers")

@@ -1,9 +1,10 @@
 """GraphRunner: target decode and verify forwards, and whole draft steps, replayed on static,
 bucket-padded buffers.
 
-It wraps a ``ModelRunner`` and offers the same surface: the ``prepare_*`` methods still build
-every batch (through the wrapped runner, which stays the only builder), and additionally tag
-decode/verify batches with what staging needs (request rows, lengths, tree mask);
+It wraps a ``ModelRunner`` and offers the same surface: the ``prepare_*`` methods build every
+batch through the wrapped runner and tag decode/verify batches with what staging needs
+(request rows, lengths, tree mask); a replay builds its own batch over the staged views
+(``static_forward``), its attention derived from them (``static_attention``);
 ``forward`` stages a batch it has a bucket for, runs the executor, and slices the real rows
 back out; anything else falls back to the wrapped runner's eager forward. With a draft model,
 ``draft_loop`` (``draft_loop.py``) replays a whole draft step on the same buckets and key
@@ -15,11 +16,9 @@ gathers and masks, so the shapes of a replay never depend on the requests' lengt
 uses the narrowest of ``kv_sizes`` that holds its longest request; the widest is the row
 table's (the longest context a request can reach, verify head-room included), so no
 decode/verify batch is refused for its length. One width only (the table's) would be simplest,
-but attention work follows the width, not the real lengths: on tiny-code at context 128 a
-replay at the 2052-column table width took 11 / 67 / 478 ms per decode step at batch 1 / 8 /
-32, against 8 / 14 / 30 ms at 192 columns (eager: 8 / 13 / 23 ms). Hence a doubling ladder
-from 256 columns by default (``kv_widths``); each width is one more key per bucket to capture
-or compile, so a compiled deployment should list only the widths it needs.
+but attention work follows the width, not the real lengths, hence a doubling ladder from 256
+columns by default (``kv_widths``); each width is one more key per bucket to capture or
+compile, so a compiled deployment should list only the widths it needs.
 
 Not thread-safe: one set of static buffers per kind, so forwards must not run concurrently
 (the engine launches one step at a time, also on its overlap thread).
@@ -140,10 +139,10 @@ class GraphRunner:
 
     def static_forward(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
         """The captured callable: the model's own forward over the padded static views."""
-        meta = static_attention(views.rows, views.seq_lens, views.tree_mask,
-                                self.runner.kv.rows.table, key.max_kv)
+        attention = static_attention(views.rows, views.seq_lens, views.tree_mask,
+                                     self.runner.kv.rows.table, key.max_kv)
         return self.runner.forward(ForwardBatch(views.input_ids, views.positions,
-                                                views.out_slots, meta))
+                                                views.out_slots, attention))
 
     def __getattr__(self, name: str) -> Any:
         # Only called for names this class lacks: the draft side, kv, target, ... ("runner"
@@ -162,12 +161,13 @@ class GraphRunner:
                               torch.tensor([s + n for s, n in zip(starts, lens, strict=True)],
                                            dtype=torch.int64))
 
-    def prepare_verify(self, reqs: list[Req], vin: VerifyInput, slots: torch.Tensor,
+    def prepare_verify(self, reqs: list[Req], verify_input: VerifyInput, slots: torch.Tensor,
                        causal: bool) -> ForwardBatch:
-        batch = self.runner.prepare_verify(reqs, vin, slots, causal)
-        n = vin.draft_tokens.shape[1]
+        batch = self.runner.prepare_verify(reqs, verify_input, slots, causal)
+        n = verify_input.draft_tokens.shape[1]
         return GraphBatch.tag(batch, torch.tensor([r.row for r in reqs], dtype=torch.int64),
-                              vin.positions[:, 0] + n, None if causal else vin.tree_mask)
+                              verify_input.positions[:, 0] + n,
+                              None if causal else verify_input.tree_mask)
 
     # --- forward ----------------------------------------------------------------------------
 
