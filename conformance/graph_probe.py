@@ -10,18 +10,21 @@ what it needs to compare them from outside (``GraphRun``). Nothing in the protoc
 specific to one engine: a kind is a name the backend chooses ("decode", "verify-tree", a draft
 loop), inputs derive from the seed on the backend side, state is compared by digest.
 
-The data types are the reference engine's own (re-exported, one definition of each, as for
-events): ``GraphCase``, ``GraphRun``, ``PaddingPolicy``.
+The data types ``GraphCase``, ``GraphRun`` and ``PaddingPolicy`` are defined here, with the
+protocol; the reference engine's probe (``backends/refengine/graph_probe.py``) uses them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-from refengine.graph.probe import GraphCase, GraphRun, PaddingPolicy
+import torch
 
-__all__ = ["PADDED_FIELDS", "STATE_DIGESTS", "GraphCase", "GraphProbe", "GraphRun",
+__all__ = ["PADDED_FIELDS", "STATE_DIGESTS", "GraphCase", "GraphProbe", "GraphRun", "Mode",
            "PaddingPolicy"]
+
+Mode = Literal["eager", "graph"]
 
 # The index fields a probe reports for the padded rows (``GraphRun.padded``), and what the
 # padding policy requires of each: the reserved row, the reserved slot, a token id in the
@@ -33,6 +36,52 @@ PADDED_FIELDS = ("request_rows", "out_slots", "token_ids", "positions", "lengths
 # outside the real rows' target slots and the reserved dummy page (the whole pool but the dummy
 # page for a kind that writes no KV), the request-row table, the allocators.
 STATE_DIGESTS = ("kv", "request_rows", "allocator")
+
+
+@dataclass(frozen=True)
+class GraphCase:
+    """One synthetic forward: ``kind``, ``raw`` real requests, inputs derived from ``seed``
+    (the same seed with a bigger ``raw`` extends the smaller batch by more requests)."""
+
+    kind: str
+    raw: int
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class PaddingPolicy:
+    """What a padded row of a kind must hold in its index fields: the reserved row and slot
+    (never a real request's), a token id inside the vocabulary, a position inside the rotary
+    table and a fixed length (so its attention spans nothing a request owns)."""
+
+    dummy_row: int
+    dummy_slot: int
+    vocab_size: int
+    length_fill: int
+    max_position: int
+
+
+@dataclass
+class GraphRun:
+    """What one run of a case reports.
+
+    ``outputs``: the real rows only (integer tensors compared exactly, floats within the
+    probe's ``float_tolerance``). ``initial``/``state``: digests of engine state the real rows
+    do not own, right before and right after the forward -- the KV pool outside the real rows'
+    target slots and outside the reserved dummy page ("kv"; for a kind that writes no KV, the
+    whole pool but the dummy page), the request-row table ("request_rows") and the allocators
+    ("allocator"). ``buffers``: data pointer of every static buffer the graph run used (empty
+    for eager). ``padded``: the staged index fields of the padded rows (``PADDED_FIELDS``'
+    names; empty tensors when the batch filled its bucket, none for eager)."""
+
+    case: GraphCase
+    mode: Mode
+    bucket: int
+    outputs: dict[str, torch.Tensor]
+    initial: dict[str, str]
+    state: dict[str, str]
+    buffers: dict[str, int] = field(default_factory=dict)
+    padded: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -63,7 +112,7 @@ class GraphProbe(Protocol):
     def writes_kv(self, kind: str) -> bool:
         """Whether ``kind``'s real rows write KV (a frozen-KV draft's do not)."""
 
-    def run(self, case: GraphCase, mode: Literal["eager", "graph"], poison: bool = False
+    def run(self, case: GraphCase, mode: Mode, poison: bool = False
             ) -> GraphRun:
         """Run ``case``: "eager" is the unpadded eager computation, "graph" stages, pads,
         executes on the graph runner and slices. ``poison``: before staging, fill the padded

@@ -18,21 +18,10 @@ from typing import Any
 
 import torch
 
-from refengine.kernels.tree_reference import (
-    GreedyVerifyResult,
-    Tree,
-    build_tree_reference,
-    verify_tree_greedy_reference,
-)
-from refengine.kernels.tree_triton import (
-    build_tree_triton,
-    triton_runnable,
-    verify_tree_greedy_triton,
-)
+from refengine.kernels.tree_reference import GreedyVerifyResult, Tree, build_tree_reference
 
-__all__ = ["KernelImpls", "PublishedVector", "TreeCase", "default_kernels_for_refengine",
-           "published_greedy_vector", "reference_kernels", "tree_cases", "triton_kernels",
-           "triton_runnable"]
+__all__ = ["KernelImpls", "PublishedVector", "TreeCase", "published_greedy_vector",
+           "tree_cases"]
 
 BuildTree = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Tree]
 VerifyGreedy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],
@@ -47,25 +36,6 @@ class KernelImpls:
     name: str
     build_tree: BuildTree | None
     verify_greedy: VerifyGreedy | None
-
-
-def reference_kernels() -> KernelImpls:
-    """The torch references themselves (what the reference engine runs on CPU)."""
-    return KernelImpls("torch-reference", build_tree_reference, verify_tree_greedy_reference)
-
-
-def triton_kernels() -> KernelImpls:
-    """The Triton kernels. Calling them raises ``RuntimeError`` where Triton cannot run (see
-    ``triton_runnable``), so a backend should only hand these out when it can. Importing this
-    module never imports Triton: ``tree_triton`` does that on first use."""
-    return KernelImpls("triton", build_tree_triton, verify_tree_greedy_triton)
-
-
-def default_kernels_for_refengine() -> KernelImpls:
-    """What the reference engine's backend exposes: Triton when it can run here, else the
-    torch references (which then certify trivially against themselves — the point of the tier
-    on CPU without the interpreter is only that the hook works)."""
-    return triton_kernels() if triton_runnable() else reference_kernels()
 
 
 # --- inputs shared by the kernel tier and the project's unit tests ---------------------------

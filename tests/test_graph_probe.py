@@ -1,7 +1,7 @@
-"""The reference engine's graph probe (``refengine/graph/probe.py``) and the graph tier's
-mutant: the probe speaks the protocol, its runs are deterministic and self-contained, it uses
-the engine's own graph runner, and the tier's padding check kills ``stale_padded_rows`` while
-graph == eager cannot see it."""
+"""The reference engine's graph probe (``conformance/backends/refengine/graph_probe.py``) and
+the graph tier's mutant: the probe speaks the protocol, its runs are deterministic and
+self-contained, it uses the engine's own graph runner, and the tier's padding check kills
+``stale_padded_rows`` while graph == eager cannot see it."""
 
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ import torch
 from conformance.adapter import GraphProbe, OpenConfig
 from conformance.backends.mutants import MUTANTS, mutant_backend
 from conformance.backends.refengine import RefEngineBackend, RefEngineHandle
+from conformance.backends.refengine.graph_probe import KINDS, RefGraphProbe
+from conformance.backends.refengine.graph_probe import PADDED_FIELDS as REF_PADDED_FIELDS
 from conformance.cli import main
 from conformance.graph_checks import (
     check_graph_matches_eager,
     check_padding_policy,
     compare_outputs,
 )
-from conformance.graph_probe import PADDED_FIELDS, STATE_DIGESTS
+from conformance.graph_probe import PADDED_FIELDS, STATE_DIGESTS, GraphCase
 from refengine.config import SamplingParams
 from refengine.graph import GraphRunner
-from refengine.graph.probe import KINDS, GraphCase, RefGraphProbe
-from refengine.graph.probe import PADDED_FIELDS as REF_PADDED_FIELDS
 
 LIMITS = {"max_running_requests": 10, "kv_pool_tokens": 1024, "page_size": 4}
 

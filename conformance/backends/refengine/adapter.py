@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import refengine
 from conformance.adapter import Capabilities, Event, MemoryView, OpenConfig, Request
-from conformance.kernels import KernelImpls, default_kernels_for_refengine
-from conformance.worker_hooks import RefEngineWorkerHooks
+from conformance.backends.refengine.graph_probe import RefGraphProbe
+from conformance.backends.refengine.kernels import default_kernels_for_refengine
+from conformance.backends.refengine.worker_hooks import RefEngineWorkerHooks
+from conformance.kernels import KernelImpls
 from refengine import Engine, EngineConfig
-from refengine.graph.probe import RefGraphProbe
 
 
 class RefEngineHandle:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
+from conformance.graph_probe import GraphCase, GraphRun, Mode, PaddingPolicy
 from refengine.config import SamplingParams
 from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.graph.runner import GraphBatch, GraphRunner
@@ -48,7 +49,6 @@ from refengine.speculative.inputs import DraftExtendInput, DraftInput, SeedInput
 if TYPE_CHECKING:
     from refengine.engine import Engine
 
-Mode = Literal["eager", "graph"]
 # How a poisoned run fills the tail of every static buffer before staging: out-of-range
 # integers ("huge", "negative"), or what an earlier, bigger batch would have left there: a
 # live request's row, slots and length ("stale"). Floats get NaN, masks all-visible, always.
@@ -68,54 +68,6 @@ DEFAULT_VERIFY_TOKENS = 4   # verify kinds' tokens per request when the engine h
 # last bits (tiny-code: up to 1.1e-5 on logits); inductor also reorders reductions.
 REPLAY_TOLERANCE = 1e-4
 COMPILED_TOLERANCE = 1e-4
-
-
-# --- the protocol's data (re-exported by conformance.adapter: one definition) -----------------
-
-@dataclass(frozen=True)
-class GraphCase:
-    """One synthetic forward: ``kind``, ``raw`` real requests, inputs derived from ``seed``
-    (the same seed with a bigger ``raw`` extends the smaller batch by more requests)."""
-
-    kind: str
-    raw: int
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class PaddingPolicy:
-    """What a padded row of a kind must hold in its index fields: the reserved row and slot
-    (never a real request's), a token id inside the vocabulary, a position inside the rotary
-    table and a fixed length (so its attention spans nothing a request owns)."""
-
-    dummy_row: int
-    dummy_slot: int
-    vocab_size: int
-    length_fill: int
-    max_position: int
-
-
-@dataclass
-class GraphRun:
-    """What one run of a case reports.
-
-    ``outputs``: the real rows only (integer tensors compared exactly, floats within the
-    probe's ``float_tolerance``). ``initial``/``state``: digests of engine state the real rows
-    do not own, right before and right after the forward -- the KV pool outside the real rows'
-    target slots and outside the reserved dummy page ("kv"; for a kind that writes no KV, the
-    whole pool but the dummy page), the request-row table ("request_rows") and the allocators
-    ("allocator"). ``buffers``: data pointer of every static buffer the graph run used (empty
-    for eager). ``padded``: the staged index fields of the padded rows (``PADDED_FIELDS``'
-    names; empty tensors when the batch filled its bucket, none for eager)."""
-
-    case: GraphCase
-    mode: Mode
-    bucket: int
-    outputs: dict[str, torch.Tensor]
-    initial: dict[str, str]
-    state: dict[str, str]
-    buffers: dict[str, int] = field(default_factory=dict)
-    padded: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 # --- kinds ------------------------------------------------------------------------------------
