@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from engine_helpers import SPEC_PROMPTS, mtp_engine, spec_engine
 
-from conformance import graph_checks as checks
 from conformance.backends.refengine.graph_probe import RefGraphProbe
+from conformance.checks import graph as checks
 from refengine import Engine, SamplingParams
 from refengine.graph import GraphRunner
 from refengine.graph.draft_loop import DraftLoopGraph

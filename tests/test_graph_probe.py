@@ -12,18 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from conformance.adapter import GraphProbe, OpenConfig
 from conformance.backends.mutants import MUTANTS, mutant_backend
 from conformance.backends.refengine import RefEngineBackend, RefEngineHandle
-from conformance.backends.refengine.graph_probe import KINDS, RefGraphProbe
-from conformance.backends.refengine.graph_probe import PADDED_FIELDS as REF_PADDED_FIELDS
-from conformance.cli import main
-from conformance.graph_checks import (
+from conformance.backends.refengine.graph_kinds import KINDS
+from conformance.backends.refengine.graph_kinds import PADDED_FIELDS as REF_PADDED_FIELDS
+from conformance.backends.refengine.graph_probe import RefGraphProbe
+from conformance.checks.graph import (
     check_graph_matches_eager,
     check_padding_policy,
     compare_outputs,
 )
-from conformance.graph_probe import PADDED_FIELDS, STATE_DIGESTS, GraphCase
+from conformance.cli import main
+from conformance.contract import GraphProbe, OpenConfig
+from conformance.contract.graph_probe import PADDED_FIELDS, STATE_DIGESTS, GraphCase
 from refengine.config import SamplingParams
 from refengine.graph import GraphRunner
 
@@ -156,7 +157,7 @@ def test_graph_tier_passes_under_the_compiled_executor(
     """The tier alone, through the plugin, with ``--specgate-graphs compiled``: inductor
     compiles every (kind, bucket) key once (minutes on a cold cache), then every check runs
     on the compiled graphs."""
-    from conformance.suite_run import SuiteOptions, suite_args, suite_dir
+    from conformance.run.suite import SuiteOptions, suite_args, suite_dir
 
     opts = SuiteOptions("refengine", "none", "gate", str(random_model_dir), graphs="compiled")
     results = tmp_path / "results.json"

@@ -1,6 +1,6 @@
 """The graph runner against the eager runner, on the small random Llama.
 
-The properties the graph tier states for any backend (``conformance/graph_checks.py``) run here on
+The properties the graph tier states for any backend (``conformance/checks/graph.py``) run here on
 the reference engine's probe (``conformance/backends/refengine/graph_probe.py``) over the random
 model, for every raw batch size 1..MAX_BS (not only the buckets) and decode and verify (chain and
 tree): replay equals eager, poisoned padding changes nothing, padded rows hold the policy and write
@@ -20,17 +20,17 @@ from typing import Any
 import pytest
 import torch
 
-from conformance import graph_checks as checks
-from conformance.backends.refengine.graph_probe import (
+from conformance.backends.refengine.graph_kinds import (
     KINDS,
-    POISON_STYLES,
     ForwardKind,
-    RefGraphProbe,
     decode_batch,
     verify_batch,
 )
-from conformance.graph_checks import Recorder, compare_outputs, compare_state
-from conformance.graph_probe import GraphCase
+from conformance.backends.refengine.graph_probe import RefGraphProbe
+from conformance.backends.refengine.graph_world import POISON_STYLES
+from conformance.checks import graph as checks
+from conformance.checks.graph import Recorder, compare_outputs, compare_state
+from conformance.contract.graph_probe import GraphCase
 from refengine.graph import (
     DUMMY_ROW,
     DUMMY_SLOT,

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.adapter import SpecConfig
-from conformance.backends.refengine.worker_hooks import PhaseRecord
-from conformance.plugin import SuiteContext
+from conformance.contract import PhaseRecord, SpecConfig
+from conformance.run.plugin import SuiteContext
 from conformance.suites.support import assert_matches_oracle, greedy, open_driver, run_all
 
 pytestmark = [pytest.mark.specgate_tier("worker"),

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import refengine
-from conformance.adapter import Capabilities, Event, MemoryView, OpenConfig, Request
 from conformance.backends.refengine.graph_probe import RefGraphProbe
 from conformance.backends.refengine.kernels import default_kernels_for_refengine
 from conformance.backends.refengine.worker_hooks import RefEngineWorkerHooks
-from conformance.kernels import KernelImpls
+from conformance.contract import Capabilities, Event, KernelImpls, MemoryView, OpenConfig, Request
 from refengine import Engine, EngineConfig
+
+# OpenConfig's limits, passed to EngineConfig only when set (None: the engine's default).
+ENGINE_LIMITS = ("kv_pool_tokens", "page_size", "max_running_requests", "max_prefill_tokens")
 
 
 class RefEngineHandle:
@@ -78,10 +80,10 @@ class RefEngineBackend:
         return default_kernels_for_refengine()
 
     def open(self, cfg: OpenConfig) -> RefEngineHandle:
+        limits = {name: value for name in ENGINE_LIMITS
+                  if (value := getattr(cfg, name)) is not None}
         return RefEngineHandle(self.engine_class(EngineConfig(
-            model=cfg.model, spec=cfg.spec, kv_pool_tokens=cfg.kv_pool_tokens,
-            page_size=cfg.page_size, max_running_requests=cfg.max_running_requests,
-            max_prefill_tokens=cfg.max_prefill_tokens, seed=cfg.seed, strict_mem_check=True,
+            model=cfg.model, spec=cfg.spec, **limits, seed=cfg.seed, strict_mem_check=True,
             retract_every=cfg.retract_every, cuda_graph=cfg.graph_executor is not None,
             graph_executor=cfg.graph_executor or "compiled")))
 

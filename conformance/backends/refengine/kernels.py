@@ -1,9 +1,9 @@
 """The reference engine's tree kernels for the kernel tier (``KernelImpls``,
-``conformance/kernels.py``): Triton where it can run, else the torch references."""
+``conformance/checks/tree_cases.py``): Triton where it can run, else the torch references."""
 
 from __future__ import annotations
 
-from conformance.kernels import KernelImpls
+from conformance.contract import KernelImpls
 from refengine.kernels.tree_reference import build_tree_reference, verify_tree_greedy_reference
 from refengine.kernels.tree_triton import (
     build_tree_triton,

@@ -1,12 +1,7 @@
-"""White-box hooks for the worker tier: phase traces and forced verify outcomes.
+"""The reference engine's worker hooks (``contract/worker_hooks.py``): phase traces and forced
+verify outcomes.
 
-A backend that claims ``worker_hooks`` returns, from ``EngineHandle.worker_hooks()``, an object
-with ``trace`` (a list of ``PhaseRecord``, one per phase of every speculative step) and
-``force_accept(rid, drafts)`` (the next verifies accept exactly ``min(drafts, what the tree
-holds)`` draft tokens for ``rid``, whatever the target says: the mock-worker technique of
-vLLM's and sglang's CPU tests, so lifecycle edges happen on demand).
-
-For the reference engine the hooks wrap the worker's phase methods of one engine instance; the
+The hooks wrap the worker's phase methods of one engine instance; the
 engine class is untouched, so a mutant engine is traced just the same.
 """
 
@@ -17,18 +12,8 @@ from typing import Any
 
 import torch
 
+from conformance.contract.worker_hooks import PhaseRecord
 from refengine.speculative.eagle_v1 import VerifyOutcome
-
-
-@dataclass(frozen=True)
-class PhaseRecord:
-    """What a phase produced: its type name and every tensor field's shape."""
-
-    phase: str                               # prefill | draft | verify | extend | install
-    kind: str                                # e.g. DraftInput, VerifyInput, DraftExtendInput
-    shapes: dict[str, tuple[int, ...]]
-    dtypes: dict[str, str]
-    rids: tuple[str, ...] = ()
 
 
 def describe(phase: str, obj: Any, rids: tuple[str, ...] = ()) -> PhaseRecord:
