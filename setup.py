@@ -9,6 +9,6 @@ DATA_PACKAGES = {"refengine._fixtures": "fixtures", "refengine._golden": "golden
 
 setup(
     packages=[*find_packages(include=["refengine", "refengine.*", "conformance",
-                                      "conformance.*"]), *DATA_PACKAGES],
+                                      "conformance.*", "specwire"]), *DATA_PACKAGES],
     package_dir=DATA_PACKAGES,
 )

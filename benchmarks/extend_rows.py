@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from conformance.bench import load_prompts
+from conformance.bench.lanes import load_prompts
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
 from refengine.model.eagle import EagleDraftModel
 from refengine.model.llama import ForwardBatch, KVCache

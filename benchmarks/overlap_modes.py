@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from conformance.bench import load_prompts
+from conformance.bench.lanes import load_prompts
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
 
 

@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from conformance.bench import load_prompts
+from conformance.bench.lanes import load_prompts
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
 
 WORKER_PHASES = ("draft", "verify", "commit_path", "extend_input", "draft_extend")

@@ -11,7 +11,6 @@ of the engine.
 from __future__ import annotations
 
 import weakref
-import zlib
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from refengine.model.standalone_draft import StandaloneDraftModel
 from refengine.output import OutputProcessor
 from refengine.request import FinishReason, Req
 from refengine.runner import ModelRunner
-from refengine.sampler import select_tokens
+from refengine.sampler import request_seed, select_tokens
 from refengine.scheduler import ScheduledBatch, Scheduler
 from refengine.speculative.draft_model import DraftModelWorker
 from refengine.speculative.eagle_v1 import EagleV1Worker
@@ -178,8 +177,7 @@ class Engine:
             raise ValueError(f"kv_pool_tokens: request {rid!r} needs up to {need} KV slots "
                              f"(prompt {len(ids)} + max_new_tokens {params.max_new_tokens}) but "
                              f"the pool holds {self.kv.capacity}")
-        seed = params.seed if params.seed is not None else (
-            self.config.seed * 7919 + zlib.crc32(rid.encode())) % (2**31)
+        seed = params.seed if params.seed is not None else request_seed(self.config.seed, rid)
         req = Req(rid, ids, params, seed, self._arrivals, session_id=session_id)
         if session_id is not None:
             self.sessions.begin_turn(session_id, req)

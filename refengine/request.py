@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from refengine.config import SamplingParams
-
-FinishReason = Literal["stop", "length", "abort"]
+from specwire.events import FinishReason
 
 
 class ReqStatus(enum.Enum):

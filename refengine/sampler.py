@@ -7,11 +7,18 @@ batch composition or a re-run gives the same draw for the same distribution.
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from refengine.config import SamplingParams
 
 _SEED_STRIDE = 1_000_003  # prime; keeps (seed, index) pairs apart for realistic lengths
+
+
+def request_seed(engine_seed: int, rid: str) -> int:
+    """The sampling seed of a request that gives none: from the engine's seed and its id."""
+    return (engine_seed * 7919 + zlib.crc32(rid.encode())) % (2**31)
 
 
 def draw_generator(seed: int, index: int) -> torch.Generator:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import conformance.oracle
+import conformance.checks.oracle
 
 
 def _engine_law(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
@@ -21,4 +21,4 @@ def _engine_law(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    conformance.oracle.target_law = _engine_law  # type: ignore[assignment]
+    conformance.checks.oracle.target_law = _engine_law  # type: ignore[assignment]

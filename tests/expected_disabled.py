@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-import conformance.oracle
+import conformance.checks.oracle
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    conformance.oracle.load_expected = lambda model: None  # type: ignore[assignment]
+    conformance.checks.oracle.load_expected = lambda model: None  # type: ignore[assignment]

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from conformance.adapter import Capabilities, Event, FinishEvent, OpenConfig, Request, TokenEvent
 from conformance.backends.refengine import RefEngineBackend, RefEngineHandle
+from conformance.contract import Capabilities, Event, FinishEvent, OpenConfig, Request, TokenEvent
 
 # (request, output index, the engine's token there) -> the token the backend reports
 Rewrite = Callable[[Request, int, int], int]

@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from conformance import bench
-from conformance.bench import (
+from conformance.bench import lanes as bench_lanes
+from conformance.bench import measure
+from conformance.bench.lanes import parse_batch_sizes
+from conformance.bench.measure import run_bench
+from conformance.bench.result import (
     BackendTiming,
     BenchResult,
     BenchRow,
     format_table,
-    parse_batch_sizes,
     ratio_pairs,
-    run_bench,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -109,7 +110,7 @@ def test_repeats_keep_each_groups_fastest_run(random_model_dir: Path,
         tags.append(tag)
         return max_new_tokens * len(prompts), seconds.get(tag, 0.01), [[]]
 
-    monkeypatch.setattr(bench, "_run_batch", scripted)
+    monkeypatch.setattr(measure, "_run_batch", scripted)
     result = run_bench(["refengine"], [1], 2, "none", Recorder(),
                        model=str(random_model_dir), min_requests=2, repeats=3)
     timing = result.rows[0].results["refengine"]
@@ -121,7 +122,7 @@ def test_repeats_keep_each_groups_fastest_run(random_model_dir: Path,
 def test_repeats_that_disagree_are_refused(random_model_dir: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     counts = iter([2, 2, 3])  # warm-up, then two repeats of one group emitting different counts
-    monkeypatch.setattr(bench, "_run_batch", lambda *_: (next(counts), 1.0, [[]]))
+    monkeypatch.setattr(measure, "_run_batch", lambda *_: (next(counts), 1.0, [[]]))
     with pytest.raises(RuntimeError, match="repeats of one group emitted different"):
         run_bench(["refengine"], [1], 2, "none", Recorder(), model=str(random_model_dir),
                   repeats=2)
@@ -144,7 +145,7 @@ def test_rejects_bad_arguments(random_model_dir: Path) -> None:
 
 
 def test_overlap_lanes_sit_beside_their_sequential_twins() -> None:
-    lanes = bench.lanes_for("eagle-v2", ["refengine"])
+    lanes = bench_lanes.lanes_for("eagle-v2", ["refengine"])
     assert [ln.label for ln in lanes] == ["plain", "chain-s3-n4", "chain-s3-n4-v2",
                                           "tree-s3-k4-n8", "tree-s3-k4-n8-v2"]
     assert [ln.spec.overlap for ln in lanes[1:] if ln.spec] == [False, True, False, True]
@@ -153,7 +154,7 @@ def test_overlap_lanes_sit_beside_their_sequential_twins() -> None:
 def test_further_backends_add_plain_lanes_beside_a_spec() -> None:
     """A yardstick engine (e.g. a C++ one) decodes plainly beside the first backend's spec
     lanes, in the same run."""
-    lanes = bench.lanes_for("eagle", ["refengine", "ctranslate2"])
+    lanes = bench_lanes.lanes_for("eagle", ["refengine", "ctranslate2"])
     assert [(ln.label, ln.backend, ln.spec is None) for ln in lanes] == [
         ("plain", "refengine", True), ("chain-s3-n4", "refengine", False),
         ("chain-s5-n6", "refengine", False), ("ctranslate2", "ctranslate2", True)]
@@ -162,8 +163,8 @@ def test_further_backends_add_plain_lanes_beside_a_spec() -> None:
 def test_graph_lanes_sit_beside_their_eager_twins(random_model_dir: Path) -> None:
     """--graphs: a twin lane through the graph runner for each backend claiming one (not hf),
     with the same tokens as its eager twin; its warm-up is reported, not timed."""
-    lanes = bench.with_graph_lanes(bench.lanes_for("none", ["refengine", "hf"]), "replay",
-                                   lambda b: b == "refengine")
+    lanes = bench_lanes.with_graph_lanes(bench_lanes.lanes_for("none", ["refengine", "hf"]),
+                                         "replay", lambda b: b == "refengine")
     assert [(ln.label, ln.graphs) for ln in lanes] == [
         ("refengine", None), ("refengine+replay", "replay"), ("hf", None)]
     recorder = Recorder()
@@ -201,4 +202,4 @@ def test_the_fastest_lane_is_set_against_each_yardstick() -> None:
     result.rows.append(BenchRow(1, {n: BackendTiming(v, 64, 64 / v) for n, v in speeds.items()}))
     assert ("batch 1: fastest lane mtp-chain+frozen (1,100.0 tok/s) = 0.80x ctranslate2, "
             "4.00x hf") in format_table(result).splitlines()
-    assert bench.lanes_for("mtp", ["refengine", "ctranslate2"])[-1].label == "ctranslate2"
+    assert bench_lanes.lanes_for("mtp", ["refengine", "ctranslate2"])[-1].label == "ctranslate2"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -193,12 +194,12 @@ def test_bench_json_into_a_missing_directory_is_created(capsys: pytest.CaptureFi
 def test_bench_json_bad_path_is_refused_before_the_bench(
         capsys: pytest.CaptureFixture[str], random_model_dir: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch, where: str, needle: str) -> None:
-    import conformance.bench
+    import conformance.bench.measure
 
     def must_not_run(*args: object, **kwargs: object) -> None:
         raise AssertionError("the bench ran before its --json path was checked")
 
-    monkeypatch.setattr(conformance.bench, "run_bench", must_not_run)
+    monkeypatch.setattr(conformance.bench.measure, "run_bench", must_not_run)
     (tmp_path / "file").write_text("x")
     target = tmp_path if where == "dir" else tmp_path / "file" / "bench.json"
     code, _, err = run(capsys, "bench", "--model", str(random_model_dir), "--json", str(target))
@@ -214,7 +215,11 @@ def test_graph_executor_choices_are_the_engines() -> None:
     from conformance import cli
     from refengine.config import GRAPH_EXECUTORS
 
-    assert cli.GRAPH_EXECUTORS == GRAPH_EXECUTORS
+    subcommands = next(a for a in cli.build_parser()._actions
+                       if isinstance(a, argparse._SubParsersAction))
+    for command in ("certify", "bench"):
+        graphs = next(a for a in subcommands.choices[command]._actions if a.dest == "graphs")
+        assert tuple(graphs.choices) == GRAPH_EXECUTORS, command
 
 
 @pytest.mark.parametrize("command", ["certify", "bench"])
@@ -230,6 +235,6 @@ def test_hf_backend_without_transformers_names_the_extra(
         capsys: pytest.CaptureFixture[str], random_model_dir: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)  # import fails as if not installed
-    monkeypatch.delitem(sys.modules, "conformance.backends.hf_transformers", raising=False)
+    monkeypatch.delitem(sys.modules, "conformance.backends.hf", raising=False)
     code, _, err = run(capsys, "certify", "--backend", "hf", "--model", str(random_model_dir))
     assert_usage_error(code, err, "specgate[hf]")

@@ -21,8 +21,11 @@ import torch
 from engine_helpers import model_with_eos
 from tokenizers import Tokenizer
 
-from conformance import registry
-from conformance.adapter import (
+from conformance.backends.ctranslate2 import convert as ctranslate2_convert
+from conformance.backends.ctranslate2.backend import THREADS_ENV, CT2Backend, CT2Handle, backend
+from conformance.backends.refengine import backend as refengine_backend
+from conformance.cli import main
+from conformance.contract import (
     ALGORITHMS,
     FLAG_NAMES,
     Capabilities,
@@ -32,11 +35,8 @@ from conformance.adapter import (
     SpecConfig,
     unclaimed_reasons,
 )
-from conformance.backends import ctranslate2_convert
-from conformance.backends.ctranslate2_backend import THREADS_ENV, CT2Backend, CT2Handle, backend
-from conformance.backends.refengine import backend as refengine_backend
-from conformance.cli import main
-from conformance.driver import Driver, Outcome
+from conformance.run import registry
+from conformance.run.driver import Driver, Outcome
 from refengine.data import fixtures_root
 
 LONG = 24  # tokens of the reference greedy run the finish tests derive expectations from
@@ -139,7 +139,7 @@ def test_without_ctranslate2_the_cli_names_the_extra(
         capsys: pytest.CaptureFixture[str], random_model_dir: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "ctranslate2", None)  # import fails as if not installed
-    monkeypatch.delitem(sys.modules, "conformance.backends.ctranslate2_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "conformance.backends.ctranslate2.backend", raising=False)
     code = main(["certify", "--backend", "ctranslate2", "--model", str(random_model_dir)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
@@ -346,7 +346,7 @@ def test_certify_on_the_fixture_with_default_workers(tmp_path: Path) -> None:
 
 
 def test_thread_count_follows_torch_unless_overridden(monkeypatch: pytest.MonkeyPatch) -> None:
-    from conformance.backends.ctranslate2_backend import THREADS_ENV, intra_threads
+    from conformance.backends.ctranslate2.backend import THREADS_ENV, intra_threads
 
     monkeypatch.delenv(THREADS_ENV, raising=False)
     assert intra_threads() == 1

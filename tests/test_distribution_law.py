@@ -1,4 +1,4 @@
-"""conformance.distribution: exact laws of sampled tokens, and the negative control's law
+"""conformance.checks.distribution: exact laws of sampled tokens, and the negative control's law
 (checked against the biased sampler itself, without an engine)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conformance.backends.mutants.sampling import _residual_is_p
-from conformance.distribution import (
+from conformance.checks.distribution import (
     JointLaw,
     SupportTooLarge,
     Trees,
@@ -22,7 +22,7 @@ from conformance.distribution import (
     reference_bonus,
     speculative_law,
 )
-from conformance.stats import gof_test
+from conformance.checks.stats import gof_test
 from refengine.speculative.verify import residual_without, verify_tree_sampling
 
 VOCAB = 7

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from test_plugin import run_suite
 
-from conformance import stats
 from conformance.backends.mutants import MUTANTS
 from conformance.backends.mutants.sampling import VERIFY_PARAM_BUGS
-from conformance.distribution import JointLaw, exact_law, verify_misapplied_law
-from conformance.oracle import ReferenceOracle
-from conformance.prompts import load_prompt_set
-from conformance.specs import SPECS
+from conformance.checks import stats
+from conformance.checks.distribution import JointLaw, exact_law, verify_misapplied_law
+from conformance.checks.oracle import ReferenceOracle
+from conformance.run.prompts import load_prompt_set
+from conformance.run.specs import SPECS
 from conformance.suites.test_distribution import (
     ALPHA_PER_SETTING,
     SETTINGS,

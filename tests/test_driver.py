@@ -1,12 +1,12 @@
-"""``conformance.driver.Driver``: a backend that stalls fails a check instead of hanging it."""
+"""``conformance.run.driver.Driver``: a backend that stalls fails a check instead of hanging it."""
 
 from __future__ import annotations
 
 import pytest
 
-from conformance.adapter import Capabilities, Event, Request, SamplingParams, TokenEvent
-from conformance.driver import Driver
-from conformance.invariants import InvariantError
+from conformance.checks.invariants import InvariantError
+from conformance.contract import Capabilities, Event, Request, SamplingParams, TokenEvent
+from conformance.run.driver import Driver
 
 
 class StallingHandle:

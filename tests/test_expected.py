@@ -13,10 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conformance import expected as exp
-from conformance.oracle import NEAR_TIE_EPSILON, ReferenceOracle
-from conformance.plugin import PROFILES
-from conformance.prompts import load_prompt_set
+from conformance.checks import expected as exp
+from conformance.checks import expected_record as rec
+from conformance.checks.oracle import NEAR_TIE_EPSILON, ReferenceOracle
+from conformance.run.profiles import PROFILES
+from conformance.run.prompts import load_prompt_set
 from refengine import SamplingParams
 
 MODEL = "tiny-code"
@@ -44,7 +45,7 @@ def test_committed_file_is_current_and_round_trips() -> None:
 
 
 def test_every_prompt_the_tiers_use_is_recorded_long_enough() -> None:
-    wanted = exp.covered_prompts(MODEL)
+    wanted = rec.covered_prompts(MODEL)
     for profile in PROFILES.values():
         assert {exp.prompt_key(c.ids) for c in load_prompt_set(profile.prompt_set)} <= set(wanted)
     for key, (prompt, length) in wanted.items():
@@ -86,7 +87,7 @@ def test_context_limit_ends_by_length() -> None:
                 if c.prompt_len + len(c.tokens) == found.context_limit]
     assert at_limit, "no recorded prompt reaches the context limit"
     key, cont = at_limit[0]
-    prompt = next(p for k, (p, _) in exp.covered_prompts(MODEL).items() if k == key)
+    prompt = next(p for k, (p, _) in rec.covered_prompts(MODEL).items() if k == key)
     assert found.greedy(prompt, greedy(500)) == list(cont.tokens)
 
 
@@ -129,10 +130,10 @@ def test_recording_refuses_what_transformers_contradicts() -> None:
     logits = torch.zeros(2, 8)
     logits[0, 3] = 1.0
     logits[1, 2] = 1.0               # transformers picks 2, the reference 1: far apart
-    with pytest.raises(exp.ExpectedMismatch, match="output index 1: transformers picks 2"):
-        exp._hf_near_ties(logits, tokens, NEAR_TIE_EPSILON["float32"])
+    with pytest.raises(rec.ExpectedMismatch, match="output index 1: transformers picks 2"):
+        rec._hf_near_ties(logits, tokens, NEAR_TIE_EPSILON["float32"])
     logits[1, 1] = 1.0 - 5e-5        # within the epsilon: a near-tie, recorded as such
-    assert exp._hf_near_ties(logits, tokens, NEAR_TIE_EPSILON["float32"]) == (1,)
+    assert rec._hf_near_ties(logits, tokens, NEAR_TIE_EPSILON["float32"]) == (1,)
 
 
 def test_stale_file_is_not_used(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -159,7 +160,7 @@ def test_recording_one_prompt_agrees_with_the_committed_file() -> None:
     engine = Engine(EngineConfig(model=MODEL, kv_pool_tokens=2048, max_running_requests=1))
     hf = LlamaForCausalLM.from_pretrained(resolve_model_dir(MODEL), dtype=torch.float32).eval()
     tokens = engine.generate([list(prompt)], greedy(16))[0].output_ids
-    got = exp.record_one(engine, hf, prompt, tokens, NEAR_TIE_EPSILON["float32"])
+    got = rec.record_one(engine, hf, prompt, tokens, NEAR_TIE_EPSILON["float32"])
     cont = committed().lookup(prompt)
     assert got.tokens == cont.tokens[:16] and got.runner_up == cont.runner_up[:16]
     assert got.margins == pytest.approx(cont.margins[:16], rel=0, abs=exp.MARGIN_TOLERANCE)

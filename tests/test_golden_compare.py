@@ -3,7 +3,7 @@ mean tau within its tolerance, over the tokens a run produced."""
 
 from __future__ import annotations
 
-from conformance import golden
+from conformance.checks import golden
 
 
 def trace(accept_lens: list[int], fragile_from: int | None = None) -> golden.GoldenTrace:

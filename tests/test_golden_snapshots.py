@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from conformance import golden
-from conformance.specs import SPECS, config_id
+from conformance.checks import golden
+from conformance.run.specs import SPECS, config_id
 
 CONFIGS = [c for name in ("eagle", "eagle-tree") for c in SPECS[name].configs]
 

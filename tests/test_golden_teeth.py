@@ -4,9 +4,9 @@ mean-tau tolerance alone lets them through (bug-zoo mutants ``draft_position_shi
 
 from __future__ import annotations
 
-from conformance import golden
 from conformance.backends.mutants import MUTANTS
-from conformance.specs import SPECS
+from conformance.checks import golden
+from conformance.run.specs import SPECS
 from refengine import EngineConfig, SamplingParams
 
 TOKENS = 64  # the gate profile's golden length

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from engine_helpers import SPEC_PROMPTS, mtp_engine, spec_engine
 
-from conformance import graph_checks as checks
+from conformance.backends.refengine.graph_probe import RefGraphProbe
+from conformance.checks import graph as checks
 from refengine import Engine, SamplingParams
 from refengine.graph import GraphRunner
 from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.graph.executors import GraphKey, ReplayExecutor
-from refengine.graph.probe import RefGraphProbe
 
 # Staggered lengths: the batch shrinks as requests finish, so several buckets replay.
 STAGGERED = [SamplingParams(max_new_tokens=6 + 4 * i, ignore_eos=True)

@@ -1,7 +1,7 @@
-"""The reference engine's graph probe (``refengine/graph/probe.py``) and the graph tier's
-mutant: the probe speaks the protocol, its runs are deterministic and self-contained, it uses
-the engine's own graph runner, and the tier's padding check kills ``stale_padded_rows`` while
-graph == eager cannot see it."""
+"""The reference engine's graph probe (``conformance/backends/refengine/graph_probe.py``) and
+the graph tier's mutant: the probe speaks the protocol, its runs are deterministic and
+self-contained, it uses the engine's own graph runner, and the tier's padding check kills
+``stale_padded_rows`` while graph == eager cannot see it."""
 
 from __future__ import annotations
 
@@ -12,20 +12,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from conformance.adapter import GraphProbe, OpenConfig
 from conformance.backends.mutants import MUTANTS, mutant_backend
 from conformance.backends.refengine import RefEngineBackend, RefEngineHandle
-from conformance.cli import main
-from conformance.graph_checks import (
+from conformance.backends.refengine.graph_kinds import KINDS
+from conformance.backends.refengine.graph_kinds import PADDED_FIELDS as REF_PADDED_FIELDS
+from conformance.backends.refengine.graph_probe import RefGraphProbe
+from conformance.checks.graph import (
     check_graph_matches_eager,
     check_padding_policy,
     compare_outputs,
 )
-from conformance.graph_probe import PADDED_FIELDS, STATE_DIGESTS
+from conformance.cli import main
+from conformance.contract import GraphProbe, OpenConfig
+from conformance.contract.graph_probe import PADDED_FIELDS, STATE_DIGESTS, GraphCase
 from refengine.config import SamplingParams
 from refengine.graph import GraphRunner
-from refengine.graph.probe import KINDS, GraphCase, RefGraphProbe
-from refengine.graph.probe import PADDED_FIELDS as REF_PADDED_FIELDS
 
 LIMITS = {"max_running_requests": 10, "kv_pool_tokens": 1024, "page_size": 4}
 
@@ -156,7 +157,7 @@ def test_graph_tier_passes_under_the_compiled_executor(
     """The tier alone, through the plugin, with ``--specgate-graphs compiled``: inductor
     compiles every (kind, bucket) key once (minutes on a cold cache), then every check runs
     on the compiled graphs."""
-    from conformance.suite_run import SuiteOptions, suite_args, suite_dir
+    from conformance.run.suite import SuiteOptions, suite_args, suite_dir
 
     opts = SuiteOptions("refengine", "none", "gate", str(random_model_dir), graphs="compiled")
     results = tmp_path / "results.json"

@@ -1,14 +1,14 @@
 """The graph runner against the eager runner, on the small random Llama.
 
-The properties the graph tier states for any backend (``conformance/graph_checks.py``) run here
-on the reference engine's probe (``refengine/graph/probe.py``) over the random model, for every
-raw batch size 1..MAX_BS (not only the buckets) and decode and verify (chain and tree): replay
-equals eager, poisoned padding changes nothing, padded rows hold the policy and write nothing a
-request owns (KV pool, row table, allocator), no history dependence, stable static buffers,
-fresh outputs. Beside them, white-box checks the tier cannot make from outside: the staged
+The properties the graph tier states for any backend (``conformance/checks/graph.py``) run here on
+the reference engine's probe (``conformance/backends/refengine/graph_probe.py``) over the random
+model, for every raw batch size 1..MAX_BS (not only the buckets) and decode and verify (chain and
+tree): replay equals eager, poisoned padding changes nothing, padded rows hold the policy and write
+nothing a request owns (KV pool, row table, allocator), no history dependence, stable static
+buffers, fresh outputs. Beside them, white-box checks the tier cannot make from outside: the staged
 attention, capture, fallbacks, key widths, the compiled executor's region split (exact under
-Dynamo's eager backend), and inductor against eager on a few sizes (slow: a cold compile takes
-tens of seconds here).
+Dynamo's eager backend), and inductor against eager on a few sizes (slow: a cold compile takes tens
+of seconds here).
 """
 
 from __future__ import annotations
@@ -20,8 +20,17 @@ from typing import Any
 import pytest
 import torch
 
-from conformance import graph_checks as checks
-from conformance.graph_checks import Recorder, compare_outputs, compare_state
+from conformance.backends.refengine.graph_kinds import (
+    KINDS,
+    ForwardKind,
+    decode_batch,
+    verify_batch,
+)
+from conformance.backends.refengine.graph_probe import RefGraphProbe
+from conformance.backends.refengine.graph_world import POISON_STYLES
+from conformance.checks import graph as checks
+from conformance.checks.graph import Recorder, compare_outputs, compare_state
+from conformance.contract.graph_probe import GraphCase
 from refengine.graph import (
     DUMMY_ROW,
     DUMMY_SLOT,
@@ -32,15 +41,6 @@ from refengine.graph import (
     kv_widths,
     pad_to_bucket,
     static_attention,
-)
-from refengine.graph.probe import (
-    KINDS,
-    POISON_STYLES,
-    ForwardKind,
-    GraphCase,
-    RefGraphProbe,
-    decode_batch,
-    verify_batch,
 )
 from refengine.graph.runner import GraphBatch
 from refengine.memory.manager import KVManager

@@ -11,9 +11,9 @@ import pytest
 from conftest import build_random_model
 from test_hf_backend import run
 
-from conformance.adapter import EngineHandle, OpenConfig, Request, SamplingParams, SpecConfig
-from conformance.backends.hf_transformers import HFHandle, backend
+from conformance.backends.hf import HFHandle, backend
 from conformance.backends.refengine import backend as refengine_backend
+from conformance.contract import EngineHandle, OpenConfig, Request, SamplingParams, SpecConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

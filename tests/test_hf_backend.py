@@ -16,7 +16,9 @@ import pytest
 from engine_helpers import model_with_eos
 from tokenizers import Tokenizer
 
-from conformance.adapter import (
+from conformance.backends.hf import HFBackend, HFHandle, backend
+from conformance.backends.refengine import backend as refengine_backend
+from conformance.contract import (
     EngineHandle,
     FinishEvent,
     OpenConfig,
@@ -25,8 +27,6 @@ from conformance.adapter import (
     SpecConfig,
     TokenEvent,
 )
-from conformance.backends.hf_transformers import HFBackend, HFHandle, backend
-from conformance.backends.refengine import backend as refengine_backend
 from refengine.data import fixtures_root
 
 LONG = 24  # tokens of the reference greedy run the finish tests derive expectations from
@@ -111,7 +111,7 @@ def test_identity_and_capabilities() -> None:
 
 
 def test_registry_resolves_hf() -> None:
-    from conformance.registry import load_backend
+    from conformance.run.registry import load_backend
 
     assert isinstance(load_backend("hf"), HFBackend)
 

@@ -1,5 +1,5 @@
 """A Ctrl-C that lands in a garbage-collector callback is raised again in ordinary code
-(``conformance.interrupt_redelivery``); without the hook the interpreter swallows it."""
+(``conformance.run.interrupt_redelivery``); without the hook the interpreter swallows it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from conformance import interrupt_redelivery
+from conformance.run import interrupt_redelivery
 
 
 @pytest.fixture

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from conformance.adapter import Event, OpenConfig
 from conformance.backends.refengine import RefEngineBackend, RefEngineHandle
-from conformance.case_timeout import COMPILED_FACTOR, DEFAULT_SECONDS
 from conformance.cli import build_parser, main
-from conformance.report import Certificate, build_certificate
-from conformance.suite_run import SuiteOptions, suite_args
+from conformance.contract import Event, OpenConfig
+from conformance.report.certificate import Certificate, build_certificate
+from conformance.run.case_timeout import COMPILED_FACTOR, DEFAULT_SECONDS
+from conformance.run.suite import SuiteOptions, suite_args
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTS_ENV = "SPECGATE_TEST_FAULTS"  # JSON {"raise"|"hang"|"native": node id}; env reaches

@@ -10,10 +10,10 @@ import pytest
 from rewriting_backend import RewritingBackend
 from test_plugin import run_suite
 
-from conformance.adapter import Request
 from conformance.cli import main
-from conformance.prompts import long_prompt
-from conformance.suites.support import BOUNDARY_LEAD, context_limit, long_context_requests
+from conformance.contract import Request
+from conformance.run.prompts import long_prompt
+from conformance.run.requests import BOUNDARY_LEAD, context_limit, requests_across
 
 pytest_plugins = ["pytester"]
 
@@ -36,16 +36,14 @@ def test_long_prompts_are_deterministic_slices_of_the_bundled_prompts() -> None:
 
 
 def test_long_requests_cross_the_boundary_or_end_at_the_limit() -> None:
-    class Ctx:
-        model = "tiny-code"
     limit = context_limit("tiny-code")
-    crossing = long_context_requests(Ctx(), BOUNDARY)  # type: ignore[arg-type]
+    crossing = requests_across("tiny-code", BOUNDARY)
     for prompt, params in crossing.values():
         assert len(prompt) < BOUNDARY < len(prompt) + params.max_new_tokens or (
             len(prompt) > BOUNDARY), (len(prompt), params.max_new_tokens)
     assert any(len(p) < BOUNDARY for p, _ in crossing.values())
     assert any(len(p) > BOUNDARY for p, _ in crossing.values())
-    (prompt, params), = long_context_requests(Ctx(), limit).values()  # type: ignore[arg-type]
+    (prompt, params), = requests_across("tiny-code", limit).values()
     assert len(prompt) == limit - BOUNDARY_LEAD < limit < len(prompt) + params.max_new_tokens
 
 

@@ -12,11 +12,11 @@ import torch
 from rewriting_backend import RewritingBackend
 from test_plugin import run_suite
 
-from conformance.adapter import FLAG_NAMES, PRECISIONS, Capabilities, Request, SamplingParams
 from conformance.backends.refengine import RefEngineBackend
-from conformance.oracle import NEAR_TIE_EPSILON, Divergence, ReferenceOracle, top2_margins
-from conformance.plugin import PROFILES as PLUGIN_PROFILES
-from conformance.prompts import load_prompt_set
+from conformance.checks.oracle import NEAR_TIE_EPSILON, Divergence, ReferenceOracle, top2_margins
+from conformance.contract import FLAG_NAMES, PRECISIONS, Capabilities, Request, SamplingParams
+from conformance.run.profiles import PROFILES as PLUGIN_PROFILES
+from conformance.run.prompts import load_prompt_set
 from refengine import Engine, EngineConfig
 
 pytest_plugins = ["pytester"]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from conformance.adapter import Capabilities
 from conformance.backends.refengine import RefEngineBackend
-from conformance.registry import BackendError, load_backend
+from conformance.contract import Capabilities
+from conformance.run.registry import BackendError, load_backend
 
 pytest_plugins = ["pytester"]
 
@@ -46,7 +46,7 @@ SUITE = Path(__file__).resolve().parents[1] / "conformance" / "suites"
 def plugin_args() -> list[str]:
     """Load the plugin explicitly only when no installed entry point does it already."""
     installed = any(ep.name == "specgate" for ep in entry_points(group="pytest11"))
-    return [] if installed else ["-p", "conformance.plugin"]
+    return [] if installed else ["-p", "conformance.run.plugin"]
 
 
 def run_suite(pytester: pytest.Pytester, backend: str, model: Path, *extra: str

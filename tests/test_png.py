@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conformance.acceptance_chart import (
+from conformance.report.acceptance_chart import (
     BACKEND,
     GOLDEN,
     PLOT_H,
@@ -19,7 +19,7 @@ from conformance.acceptance_chart import (
     draw_acceptance,
     panel_width,
 )
-from conformance.png import Canvas, encode_png
+from conformance.report.png import Canvas, encode_png
 
 Pixels = list[list[tuple[int, int, int]]]
 

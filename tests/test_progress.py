@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from conformance.progress import Steps, TierProgress, tier_of
+from conformance.report.progress import Steps, TierProgress, tier_of
 
 SUITES = Path(__file__).resolve().parents[1] / "conformance" / "suites"
 

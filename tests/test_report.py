@@ -5,7 +5,12 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from conformance.report import build_certificate, indent_junit, render_markdown, summary_markdown
+from conformance.report.certificate import (
+    build_certificate,
+    indent_junit,
+    render_markdown,
+    summary_markdown,
+)
 
 
 def row(nodeid: str, tier: str, outcome: str, message: str = "") -> dict[str, object]:

@@ -1,5 +1,6 @@
-"""The oracle's own sampling law (``conformance.sampling_law``) equals the engine's sampler on
-the unmodified engine, so holding the engine to it is fair, while sharing none of its code."""
+"""The oracle's own sampling law (``conformance.checks.sampling_law``) equals the engine's
+sampler on the unmodified engine, so holding the engine to it is fair, while sharing none of its
+code."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conformance.sampling_law import AmbiguousNucleus, target_law
+from conformance.checks.sampling_law import AmbiguousNucleus, target_law
 from refengine.config import SamplingParams
 from refengine.sampler import sampling_probs
 

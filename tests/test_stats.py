@@ -1,4 +1,4 @@
-"""conformance.stats: pooling, the statistics, impossible draws, the level and power."""
+"""conformance.checks.stats: pooling, the statistics, impossible draws, the level and power."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from conformance.stats import (
+from conformance.checks.stats import (
     ALPHA,
     CR_LAMBDA,
     METHODS,

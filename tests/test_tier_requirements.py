@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from test_plugin import SUITE, plugin_args
 
-from conformance.adapter import Capabilities
 from conformance.backends.refengine import RefEngineBackend
+from conformance.contract import Capabilities
 
 pytest_plugins = ["pytester"]
 

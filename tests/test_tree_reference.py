@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from conformance.kernels import (
+from conformance.checks.tree_cases import (
     ORPHAN_ERROR,
     TreeCase,
     orphan_tree_args,

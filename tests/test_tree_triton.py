@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from conformance.kernels import (
+from conformance.checks.tree_cases import (
     ORPHAN_ERROR,
     TreeCase,
     orphan_tree_args,
@@ -115,7 +115,8 @@ def test_refuses_to_run_without_gpu_or_interpreter(monkeypatch: pytest.MonkeyPat
 
 
 def test_importing_the_hook_does_not_import_triton() -> None:
-    code = ("import sys, conformance.kernels as k; k.default_kernels_for_refengine(); "
+    code = ("import sys, conformance.backends.refengine.kernels as k; "
+            "k.default_kernels_for_refengine(); "
             "assert 'triton' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

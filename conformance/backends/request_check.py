@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from conformance.adapter import Request
+from conformance.contract import Request
 
 
 def check_request(req: Request, live: Iterable[str], vocab_size: int, max_context_len: int,

@@ -4,32 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import cache
 from typing import Literal
 
 import pytest
 
-from conformance.adapter import SamplingParams, SpecConfig
-from conformance.driver import Driver, Outcome, backend_call, step_budget
-from conformance.oracle import NEAR_TIE_EPSILON
-from conformance.plugin import SuiteContext, context
-from conformance.prompts import long_prompt
-from conformance.specs import config_id
-from refengine.data import resolve_model_dir
-from refengine.model.loader import load_config
+from conformance.checks.oracle import NEAR_TIE_EPSILON
+from conformance.contract import SamplingParams, SpecConfig
+from conformance.run.driver import Driver, Outcome, backend_call, step_budget
+from conformance.run.plugin import SuiteContext, context
+from conformance.run.requests import context_limit, requests_across
+from conformance.run.requests import greedy as greedy  # the tiers' spelling: support.greedy
+from conformance.run.specs import config_id
 
 # Page size 4 only where there are pages to size: backends that claim a paged pool
 # (memory_view); any other backend runs the page-size-1 case once.
 PAGE_SIZES = [1, pytest.param(4, marks=pytest.mark.specgate_requires("memory_view"))]
 
-BOUNDARY_LEAD = 24      # a long request's context runs this many tokens either side of a boundary
 LONG_PREFILL_CHUNK = 96  # max_prefill_tokens for long requests: some chunk straddles each boundary
-
-
-@cache
-def context_limit(model: str) -> int:
-    """The model's maximum positions: no request's prompt + output may exceed them."""
-    return load_config(resolve_model_dir(model)).max_position_embeddings
 
 
 def parametrize_context_boundaries(metafunc: pytest.Metafunc) -> None:
@@ -45,20 +36,8 @@ def parametrize_context_boundaries(metafunc: pytest.Metafunc) -> None:
 
 def long_context_requests(sg: SuiteContext, boundary: int
                           ) -> dict[str, tuple[list[int], SamplingParams]]:
-    """Requests whose context crosses ``boundary`` tokens: one while decoding (speculation
-    across it), one inside its prompt (a prefill chunk across it). At the model's context limit
-    instead one request whose prompt ends ``BOUNDARY_LEAD`` short of it and that asks for twice
-    that: it must end there, by length. Prompts are the bundled prompts laid end to end."""
-    limit = context_limit(sg.model)
-    if boundary >= limit:
-        return {f"to-limit-{limit}": (list(long_prompt(limit - BOUNDARY_LEAD, model=sg.model)),
-                                      greedy(2 * BOUNDARY_LEAD))}
-    return {f"decode-across-{boundary}": (
-                list(long_prompt(boundary - BOUNDARY_LEAD, model=sg.model)),
-                greedy(2 * BOUNDARY_LEAD)),
-            f"prefill-across-{boundary}": (
-                list(long_prompt(boundary + BOUNDARY_LEAD, offset=boundary, model=sg.model)),
-                greedy(BOUNDARY_LEAD))}
+    """``requests_across(sg.model, boundary)``: the suite modules' spelling."""
+    return requests_across(sg.model, boundary)
 
 
 def assert_length_limited(sg: SuiteContext, outcomes: dict[str, Outcome],
@@ -96,12 +75,6 @@ def open_driver(sg: SuiteContext, spec: SpecConfig | Literal["first"] | None = "
             handle.close()
 
 
-def greedy(max_new_tokens: int, **kw: object) -> SamplingParams:
-    """Greedy with ``ignore_eos`` by default, so every output has a known length."""
-    kw.setdefault("ignore_eos", True)
-    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, **kw)
-
-
 def run_all(driver: Driver, requests: dict[str, tuple[list[int], SamplingParams]]
             ) -> dict[str, Outcome]:
     for rid, (prompt, params) in requests.items():
@@ -113,7 +86,7 @@ def assert_matches_oracle(sg: SuiteContext, outcomes: dict[str, Outcome],
                           requests: dict[str, tuple[list[int], SamplingParams]]) -> None:
     """Every output equals the reference's greedy output, token for token, up to its first
     difference; a difference at a near-tie for the backend's declared precision
-    (``conformance.oracle``) is listed in the check's ``near_ties`` property as
+    (``conformance.checks.oracle``) is listed in the check's ``near_ties`` property as
     ``<rid>@<output index> margin=<reference top-2 margin>`` and ends that request's
     comparison (its continuation legitimately differs); any other difference fails."""
     epsilon = NEAR_TIE_EPSILON[sg.caps.precision]

@@ -12,7 +12,7 @@ Design:
   differently from the plain sampler, or filters in another order than the target's, emits
   another law under some of them. (``SamplingParams`` has no min-p, so none is tested.)
   Each setting is tested against the exact target law under that setting (the oracle applies
-  temperature / top-k / top-p by its own rule, ``conformance.sampling_law``, never the
+  temperature / top-k / top-p by its own rule, ``conformance.checks.sampling_law``, never the
   engine's sampler, so a sampler bug shared by plain decoding and verify is not in the law).
 * False alarms: the budget ``stats.ALPHA`` = 1e-6 is the whole test's, split over the settings
   by Bonferroni (``ALPHA_PER_SETTING`` = ALPHA / 4), and each setting is run at that over
@@ -70,11 +70,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 
-from conformance import stats
-from conformance.adapter import Backend, OpenConfig, SamplingParams, SpecConfig
 from conformance.backends.mutants import mutant_backend
 from conformance.backends.mutants.sampling import VERIFY_PARAM_BUGS, verified_draft_trees
-from conformance.distribution import (
+from conformance.checks import stats
+from conformance.checks.distribution import (
     JointLaw,
     SupportTooLarge,
     Trees,
@@ -85,9 +84,10 @@ from conformance.distribution import (
     speculative_law,
     verify_misapplied_law,
 )
-from conformance.driver import Driver
-from conformance.plugin import SuiteContext
-from conformance.specs import SPECS
+from conformance.contract import Backend, OpenConfig, SamplingParams, SpecConfig
+from conformance.run.driver import Driver
+from conformance.run.plugin import SuiteContext
+from conformance.run.specs import SPECS
 
 # Both checks submit every request, then only step to the end (nothing acts between steps):
 # run-to-completion backends are certified too.

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from conformance import golden
-from conformance.adapter import SpecConfig
-from conformance.certified import accept_histogram
-from conformance.plugin import SuiteContext
+from conformance.checks import golden
+from conformance.contract import SpecConfig
+from conformance.report.certified import accept_histogram
+from conformance.run.plugin import SuiteContext
 from conformance.suites.support import greedy, open_driver, parametrize_spec_configs, run_all
 
 pytestmark = [pytest.mark.specgate_tier("golden"),

@@ -6,7 +6,7 @@ rows that read or write a real request's KV, a tail left over from an earlier, b
 buffers that move between replays, outputs in memory the next replay overwrites. The probe
 runs synthetic cases eagerly and through the graph runner; for every kind it replays and every
 raw batch size 1..max_batch (the padded sizes are the point), this tier checks (the statements
-live in ``conformance/graph_checks.py``):
+live in ``conformance/checks/graph.py``):
 
 - padded rows hold the padding policy's values after a bigger batch filled every static row;
 - graph == eager (integers exactly, floats within the probe's tolerance), both from the same
@@ -26,8 +26,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from conformance.adapter import GraphProbe
-from conformance.graph_checks import (
+from conformance.checks.graph import (
     Recorder,
     check_graph_matches_eager,
     check_no_history_dependence,
@@ -36,7 +35,8 @@ from conformance.graph_checks import (
     check_state_untouched,
     check_static_buffers_and_fresh_outputs,
 )
-from conformance.plugin import SuiteContext
+from conformance.contract import GraphProbe
+from conformance.run.plugin import SuiteContext
 
 pytestmark = [pytest.mark.specgate_tier("graph"), pytest.mark.specgate_requires("graph_runner")]
 

@@ -1,11 +1,11 @@
 """Tier kernel: the backend's tree kernels against the torch references, field by field.
 
 A backend opts in by claiming the ``kernels`` capability and providing ``kernel_impls()``
-(``conformance.kernels``); without the claim every check is reported "not claimed". Trees
-come from ``conformance.kernels.tree_cases``: the drafter's candidate layout with path scores
-that never rise along a path (ties included), selections by ``select_candidates``, and target
-predictions that follow a child about half of the time, so accepted paths of every length,
-first-match among siblings and the depth cut all occur.
+(``conformance/contract/kernels.py``); without the claim every check is reported "not claimed".
+Trees come from ``conformance.checks.tree_cases.tree_cases``: the drafter's candidate layout
+with path scores that never rise along a path (ties included), selections by
+``select_candidates``, and target predictions that follow a child about half of the time, so
+accepted paths of every length, first-match among siblings and the depth cut all occur.
 
 Example counts are small on purpose: on CPU these kernels run under Triton's interpreter, which
 costs tens of milliseconds per launch; shapes are biased to the largest trees instead.
@@ -19,13 +19,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from conformance.kernels import (
-    KernelImpls,
+from conformance.checks.tree_cases import (
     TreeCase,
     published_greedy_vector,
     tree_cases,
 )
-from conformance.plugin import SuiteContext
+from conformance.contract import KernelImpls
+from conformance.run.plugin import SuiteContext
 from refengine.kernels.tree_reference import (
     GreedyVerifyResult,
     Tree,

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
-from conformance.driver import Driver, Outcome
-from conformance.plugin import SuiteContext
+from conformance.run.driver import Driver, Outcome
+from conformance.run.plugin import SuiteContext
 from conformance.suites.support import assert_matches_oracle, greedy, open_driver, run_all
 
 pytestmark = pytest.mark.specgate_tier("lifecycle")

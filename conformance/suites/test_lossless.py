@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.adapter import SamplingParams, SpecConfig
-from conformance.plugin import SuiteContext
+from conformance.contract import SamplingParams, SpecConfig
+from conformance.run.plugin import SuiteContext
 from conformance.suites.support import (
     LONG_PREFILL_CHUNK,
     PAGE_SIZES,

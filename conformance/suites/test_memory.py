@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from conformance.adapter import SamplingParams
-from conformance.plugin import SuiteContext
+from conformance.contract import SamplingParams
+from conformance.run.plugin import SuiteContext
 from conformance.suites.support import (
     LONG_PREFILL_CHUNK,
     PAGE_SIZES,

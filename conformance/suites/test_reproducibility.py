@@ -27,9 +27,9 @@ from itertools import combinations
 
 import pytest
 
-from conformance.adapter import SamplingParams
-from conformance.driver import Outcome
-from conformance.plugin import SuiteContext
+from conformance.contract import SamplingParams
+from conformance.run.driver import Outcome
+from conformance.run.plugin import SuiteContext
 from conformance.suites.support import greedy, open_driver, run_all
 
 pytestmark = [pytest.mark.specgate_tier("reproducibility"),

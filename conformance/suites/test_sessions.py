@@ -2,7 +2,7 @@
 KV its session kept, under forced retraction, a turn aborted mid-decode and page sizes 1 and 4.
 
 Checked for every turn: the inherited KV it reports is exactly its session's context minus the
-final token (the driver's check, ``conformance/driver.py``), its greedy output equals the
+final token (the driver's check, ``conformance/run/driver.py``), its greedy output equals the
 reference's over the whole context, M1-M3 after every step (the backend's own strict check
 too, for the reference engine), and after the last session is closed the whole pool is free
 (M5). An aborted turn rolls its session back: the next turn's context leaves it out.
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from conformance.driver import Driver
-from conformance.plugin import SuiteContext
+from conformance.run.driver import Driver
+from conformance.run.plugin import SuiteContext
 from conformance.suites.support import assert_matches_oracle, greedy, open_driver
 
 pytestmark = [pytest.mark.specgate_tier("sessions"),

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.adapter import SpecConfig
-from conformance.plugin import SuiteContext
+from conformance.contract import PhaseRecord, SpecConfig
+from conformance.run.plugin import SuiteContext
 from conformance.suites.support import assert_matches_oracle, greedy, open_driver, run_all
-from conformance.worker_hooks import PhaseRecord
 
 pytestmark = [pytest.mark.specgate_tier("worker"),
               pytest.mark.specgate_requires("worker_hooks", "stepwise")]

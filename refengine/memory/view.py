@@ -1,41 +1,13 @@
-"""MemoryView: a backend's KV accounting, and the conservation checks every step must keep.
-
-Shared by the engine's own strict check (M6 asserts M1/M2 inside the engine) and by the
-conformance suite (which checks M1-M5 from outside, for any backend).
+"""The conservation checks every step must keep over a ``MemoryView`` (the wire type, defined
+in ``specwire``): the engine's own strict check (M6 asserts M1/M2 inside the engine). The
+conformance suite checks M1-M5 from outside with its own code (``conformance/checks``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Literal
+from specwire.memory import MemoryView, ReqKV
 
-
-@dataclass(frozen=True)
-class ReqKV:
-    """KV held by one live request, in tokens.
-
-    ``committed``: positions with valid KV. ``allocated``: positions with a reserved slot.
-    ``phase``: "prefill" while the prompt (or a retracted request's re-prefill) is still being
-    written; "decode" afterwards.
-    """
-
-    committed: int
-    allocated: int
-    phase: Literal["prefill", "decode"] = "decode"
-
-
-@dataclass(frozen=True)
-class MemoryView:
-    capacity: int
-    free: int
-    held: int
-    page_size: int
-    requests: Mapping[str, ReqKV] = field(default_factory=dict)
-    rows_capacity: int = 0
-    rows_free: int = 0
-    rows_held: int = 0
-    reserve_bound: int = 0
+__all__ = ["MemoryView", "ReqKV", "bounds_error", "ceil_page", "conservation_error", "idle_error"]
 
 
 def ceil_page(tokens: int, page_size: int) -> int:

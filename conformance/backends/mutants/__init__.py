@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from conformance.adapter import OpenConfig
 from conformance.backends.mutants.graph import (
     BonusTokensNotRestaged,
     ExtendPaddingNotRestaged,
@@ -67,6 +66,7 @@ from conformance.backends.mutants.speculative import (
     TreeWrongParent,
 )
 from conformance.backends.refengine import RefEngineBackend, RefEngineHandle
+from conformance.contract import OpenConfig
 from refengine import Engine
 
 

@@ -11,9 +11,9 @@ from typing import ClassVar
 
 import torch
 
-from conformance.adapter import SamplingParams
 from conformance.backends.mutants.tables import with_worker
-from conformance.distribution import DraftTree, draft_tree
+from conformance.checks.distribution import DraftTree, draft_tree
+from conformance.contract import SamplingParams
 from refengine import Engine
 from refengine.request import Req
 from refengine.speculative.draft_model import DraftModelWorker

@@ -6,7 +6,7 @@ source mutant instead edits files of a temporary copy of the ``refengine`` packa
 whole suite run (backend, oracle, everything) imports that copy under the real name in a
 subprocess: exactly what happens when specgate gates a change to refengine itself. A bug in a
 path plain decoding shares with the oracle's engine is then invisible to any oracle that runs
-the engine; the committed expected outputs (``conformance.expected``) are what kill it.
+the engine; the committed expected outputs (``conformance.checks.expected``) are what kill it.
 
 An edit is a search/replace of text that must occur exactly once in its file; one that no
 longer applies fails the run at once with one line naming mutant, file and text.
@@ -154,7 +154,7 @@ class SourceMutantBackend(RefEngineBackend):
 def source_mutant_backend(name: str, launcher: bool = False) -> SourceMutantBackend:
     """The backend of a source mutant: the patched reference engine this process imported.
     ``launcher``: the caller only checks it and runs the suite through
-    ``conformance.suite_run``, which starts the patched process; the patch must apply
+    ``conformance.run.suite``, which starts the patched process; the patch must apply
     (PatchError otherwise). Any other process that did not import the patched copy gets a
     ValueError: it would test the unpatched engine under the mutant's name."""
     import refengine

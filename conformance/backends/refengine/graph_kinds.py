@@ -1,0 +1,285 @@
+"""The graph probe's kinds: how each kind of forward builds and runs its case in either mode.
+
+Kinds are a table (``KINDS``): a kind says how to build and run its case in either mode and
+which of its staged buffers are index fields. A kind that is one target forward is a
+``ForwardKind`` (a batch builder and the graph runner's staging kind); the draft loops add
+kinds of their own the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from conformance.backends.refengine.graph_world import ProbeWorld
+from conformance.contract import Mode
+from refengine.graph.runner import GraphBatch, GraphRunner
+from refengine.graph.staging import PAD_POLICY
+from refengine.model.llama import ForwardBatch
+from refengine.request import Req
+from refengine.runner import ModelRunner
+from refengine.speculative.draft_search import Candidates, LoopOutput
+from refengine.speculative.inputs import DraftExtendInput, DraftInput, SeedInput, VerifyInput
+
+# The names the probe protocol gives the index fields of the padded rows, by the name of the
+# staged buffer that holds them (``Staging.buffers``).
+PADDED_FIELDS: dict[str, str] = {"rows": "request_rows", "out_slots": "out_slots",
+                                 "input_ids": "token_ids", "positions": "positions",
+                                 "seq_lens": "lengths"}
+
+
+@dataclass
+class Prepared:
+    """A case ready to run in one mode: its allocations made, nothing executed yet."""
+
+    execute: Callable[[], dict[str, torch.Tensor]]   # runs it -> the real rows' outputs
+    targets: torch.Tensor                            # KV slots the real rows write
+    bucket: int
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # static buffers (graph)
+    padded_names: Mapping[str, str] = field(default_factory=dict)   # buffer -> protocol name
+    batch: ForwardBatch | None = None   # a one-forward kind's batch (for white-box tests)
+
+
+class ProbeKind(Protocol):
+    """One entry of ``KINDS``: adding a kind (a draft loop) is one class like ``ForwardKind``
+    and one line in the table."""
+
+    @property
+    def writes_kv(self) -> bool:
+        """Whether the kind's real rows write KV (their target slots are then left out of
+        the "kv" digest)."""
+
+    def available(self, probe: ProbeWorld) -> bool:
+        """Whether the probe's engine has what the kind runs (a draft loop of its kind)."""
+
+    def length_fill(self, probe: ProbeWorld) -> int:
+        """The length a padded row's length field must hold."""
+
+    def prepare(self, probe: ProbeWorld, reqs: list[Req], seed: int, mode: Mode
+                ) -> Prepared:
+        """Build the case for ``reqs`` in ``mode``: the eager path unpadded, the graph path on
+        the graph runner (raising if it would not replay)."""
+
+
+Batcher = ModelRunner | GraphRunner  # both build batches (the graph runner only adds tags)
+BatchBuilder = Callable[["ProbeWorld", Batcher, list[Req], int], ForwardBatch]
+
+
+def decode_batch(probe: ProbeWorld, runner: Batcher, reqs: list[Req], seed: int
+                 ) -> ForwardBatch:
+    """One new token per request at its committed end."""
+    vocab = probe.vocab_size
+    ids = [(7 * r.kv_committed_len + 11 + 13 * seed) % (vocab - 1) + 1 for r in reqs]
+    return runner.prepare_extend(reqs, [1] * len(reqs), ids, list(range(len(reqs))))
+
+
+def tree_mask(parents: list[int]) -> torch.Tensor:
+    """[n, n]: node i sees itself and its ancestors (``parents[i]``, -1 for the root)."""
+    n = len(parents)
+    mask = torch.zeros((n, n), dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j != -1:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def verify_batch(probe: ProbeWorld, runner: Batcher, reqs: list[Req], seed: int,
+                 causal: bool) -> ForwardBatch:
+    """``N`` draft nodes per request after its committed end: a chain (causal) or a binary
+    tree (node i's parent is (i - 1) // 2: two branches from the root already at N = 3)."""
+    b, n, vocab = len(reqs), probe.verify_tokens, probe.vocab_size
+    flat = torch.arange(b * n, dtype=torch.int64).view(b, n)
+    tokens = (flat * 37 + 101 * seed) % (vocab - 1) + 1
+    start = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64)
+    parents = [i - 1 for i in range(n)] if causal else [(i - 1) // 2 if i else -1
+                                                         for i in range(n)]
+    depth = [0] * n
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    minus = torch.full((b, n), -1, dtype=torch.int64)
+    vin = VerifyInput(tokens, tree_mask(parents).expand(b, n, n).clone(),
+                      start[:, None] + torch.tensor(depth), minus, minus, minus, minus)
+    slots = torch.stack([probe.kv.extend(r, n) for r in reqs]) if reqs else \
+        torch.empty((0, n), dtype=torch.int64)
+    return runner.prepare_verify(reqs, vin, slots, causal)
+
+
+@dataclass(frozen=True)
+class ForwardKind:
+    """A kind that is one target forward, replayed on the graph runner's ``staging`` kind."""
+
+    staging: str
+    build: BatchBuilder
+    writes_kv: bool = True
+
+    def available(self, probe: ProbeWorld) -> bool:
+        return True
+
+    def length_fill(self, probe: ProbeWorld) -> int:
+        q = probe.graph(self.staging).kinds[self.staging]
+        fill = PAD_POLICY["seq_lens"].fill(q)
+        assert isinstance(fill, int)
+        return fill
+
+    def prepare(self, probe: ProbeWorld, reqs: list[Req], seed: int, mode: Mode
+                ) -> Prepared:
+        if mode == "eager":
+            batch = self.build(probe, probe.runner, reqs, seed)
+            return Prepared(lambda: probe.collect(probe.runner.forward(batch), batch),
+                            batch.out_slots, len(reqs), batch=batch)
+        graph = probe.graph(self.staging)
+        batch = self.build(probe, graph, reqs, seed)
+        key = graph.graph_key(batch)
+        if key is None or key.kind != self.staging:
+            raise RuntimeError(f"graph probe: {len(reqs)} requests do not replay on the "
+                               f"{self.staging!r} graph (key {key}); a graph run that fell "
+                               "back to eager would prove nothing")
+        assert isinstance(batch, GraphBatch)
+        return Prepared(lambda: probe.collect(graph.forward(batch), batch), batch.out_slots,
+                        key.bucket, graph.staging[key.kind].buffers, PADDED_FIELDS, batch)
+
+
+@dataclass(frozen=True)
+class DraftLoopKind:
+    """A whole draft step of the engine's worker: eager = the worker's own forward-by-forward
+    search (Frozen-KV MTP: the seed step, then the loop); graph = the ``DraftLoopGraph``
+    (MTP's seed folded in). Inputs are seeded: the step's candidates and features for EAGLE,
+    the bonus tokens and target features for MTP. EAGLE writes its head's KV into scratch
+    slots (the targets); MTP writes none, anywhere."""
+
+    loop_kind: str                      # "draft:eagle" or "draft:mtp"
+    writes_kv: bool
+    length_fill_value: int
+    padded_names: Mapping[str, str]     # staged buffer -> protocol name
+
+    def available(self, probe: ProbeWorld) -> bool:
+        loop = probe.draft_loop()
+        return loop is not None and loop.kind == self.loop_kind
+
+    def length_fill(self, probe: ProbeWorld) -> int:
+        return self.length_fill_value
+
+    def inputs(self, probe: ProbeWorld, reqs: list[Req], seed: int
+               ) -> DraftInput | SeedInput:
+        loop = probe.draft_loop()
+        assert loop is not None and probe.worker is not None
+        b, k, vocab = len(reqs), loop.topk, probe.vocab_size
+        gen = torch.Generator().manual_seed(10_007 * seed + 17)
+        hidden = torch.randn((b, loop.staging.buffers["hidden"].shape[1]), generator=gen)
+        hidden = hidden.to(loop.staging.buffers["hidden"].dtype)
+        tokens = torch.randint(1, vocab, (b,), generator=gen)
+        if self.loop_kind == "draft:mtp":
+            return SeedInput(tokens, hidden)
+        scores = torch.rand((b, k), generator=gen).sort(dim=1, descending=True).values
+        return DraftInput(scores, torch.randint(1, vocab, (b, k), generator=gen), hidden,
+                          tokens)
+
+    def prepare(self, probe: ProbeWorld, reqs: list[Req], seed: int, mode: Mode
+                ) -> Prepared:
+        worker, loop = probe.worker, probe.draft_loop()
+        assert worker is not None and loop is not None
+        din = self.inputs(probe, reqs, seed)
+        targets = torch.empty((0,), dtype=torch.int64)
+        if self.writes_kv:  # the scratch slots drafting will take (handed back right away)
+            with worker.scratch(reqs, loop.topk * (loop.steps - 1)) as slots:
+                targets = slots.reshape(-1).clone()
+        if mode == "eager":
+            return Prepared(lambda: loop_outputs(worker.eager_search(reqs, din)), targets,
+                            len(reqs))
+        key = loop.key(len(reqs), torch.tensor([r.kv_committed_len for r in reqs]))
+        if key is None:
+            raise RuntimeError(f"graph probe: {len(reqs)} requests do not replay on the "
+                               f"{self.loop_kind!r} loop; a graph run that fell back to "
+                               "eager would prove nothing")
+
+        def execute() -> dict[str, torch.Tensor]:
+            found = worker.graph_search(reqs, din, loop)  # type: ignore[arg-type]
+            assert found is not None
+            return loop_outputs(found)
+
+        return Prepared(execute, targets, key[0], loop.staging.buffers, self.padded_names)
+
+
+@dataclass(frozen=True)
+class DraftExtendKind:
+    """EAGLE's draft-extend: eager = the worker's head forward over each request's accepted
+    tokens; graph = the extend graph (``DraftLoopGraph`` of kind "extend:eagle"). Inputs are
+    seeded: 1..N accepted tokens per request ending at its committed end (the root), with
+    random features. The head writes its KV at those positions' slots (the targets)."""
+
+    writes_kv = True
+    padded_names: Mapping[str, str]     # staged buffer -> protocol name
+
+    def available(self, probe: ProbeWorld) -> bool:
+        return probe.draft_extend() is not None
+
+    def length_fill(self, probe: ProbeWorld) -> int:
+        return 1
+
+    def prepare(self, probe: ProbeWorld, reqs: list[Req], seed: int, mode: Mode
+                ) -> Prepared:
+        worker, graph = probe.worker, probe.draft_extend()
+        assert worker is not None and graph is not None
+        n, hidden_size = graph.staging.buffers["hidden"].shape[1:]
+        gen = torch.Generator().manual_seed(10_007 * seed + 29)
+        ends = torch.tensor(worker.roots(reqs), dtype=torch.int64)
+        lens = torch.minimum(torch.randint(1, n + 1, (len(reqs),), generator=gen), ends)
+        total = int(lens.sum())
+        ids = torch.randint(1, probe.vocab_size, (total,), generator=gen)
+        hidden = torch.randn((total, hidden_size), generator=gen).to(
+            graph.staging.buffers["hidden"].dtype)
+        targets = torch.cat([probe.kv.rows.table[r.row, e - a:e] for r, e, a
+                             in zip(reqs, ends.tolist(), lens.tolist(), strict=True)])
+        ext = DraftExtendInput(hidden, ids, lens)
+        if mode == "eager":
+            return Prepared(lambda: extend_outputs(worker.eager_extend(reqs, ext)), targets,
+                            len(reqs))
+        key = graph.key(len(reqs), ends)
+        if key is None:
+            raise RuntimeError(f"graph probe: {len(reqs)} requests do not replay on the "
+                               "'extend:eagle' graph; a graph run that fell back to eager "
+                               "would prove nothing")
+
+        def execute() -> dict[str, torch.Tensor]:
+            found = worker.graph_extend(reqs, ext, graph)
+            assert found is not None
+            return extend_outputs(found)
+
+        return Prepared(execute, targets, key[0], graph.staging.buffers, self.padded_names)
+
+
+def extend_outputs(found: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A draft-extend's result: the head's logits, greedy tokens and predicted features at
+    each request's newest accepted token."""
+    logits, predicted = found
+    return {"logits": logits, "next_tokens": logits.argmax(-1), "features": predicted}
+
+
+def loop_outputs(found: LoopOutput) -> dict[str, torch.Tensor]:
+    """A draft step's result: a chain's tokens, or a beam's candidates."""
+    if isinstance(found, Candidates):
+        return {"scores": found.scores, "tokens": found.tokens, "parents": found.parents}
+    return {"draft_tokens": found}
+
+
+KINDS: dict[str, ProbeKind] = {
+    "decode": ForwardKind("decode", decode_batch),
+    "verify-chain": ForwardKind(
+        "verify", lambda p, r, reqs, s: verify_batch(p, r, reqs, s, causal=True)),
+    "verify-tree": ForwardKind(
+        "verify", lambda p, r, reqs, s: verify_batch(p, r, reqs, s, causal=False)),
+    "draft:eagle": DraftLoopKind("draft:eagle", True, 0, {
+        "rows": "request_rows", "scratch": "out_slots", "topk_index": "token_ids",
+        "roots": "lengths"}),
+    "draft:mtp": DraftLoopKind("draft:mtp", False, 1, {
+        "rows": "request_rows", "bonus_tokens": "token_ids", "seq_lens": "lengths"}),
+    "extend:eagle": DraftExtendKind({
+        "rows": "request_rows", "slots": "out_slots", "ids": "token_ids", "ends": "lengths"}),
+}
+
+

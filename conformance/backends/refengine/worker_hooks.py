@@ -1,0 +1,86 @@
+"""The reference engine's worker hooks (``contract/worker_hooks.py``): phase traces and forced
+verify outcomes.
+
+The hooks wrap the worker's phase methods of one engine instance; the
+engine class is untouched, so a mutant engine is traced just the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from conformance.contract.worker_hooks import PhaseRecord
+from refengine.speculative.eagle_v1 import VerifyOutcome
+
+
+def describe(phase: str, obj: Any, rids: tuple[str, ...] = ()) -> PhaseRecord:
+    shapes, dtypes = {}, {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, torch.Tensor):
+            shapes[f.name] = tuple(value.shape)
+            dtypes[f.name] = str(value.dtype).replace("torch.", "")
+    return PhaseRecord(phase, type(obj).__name__, shapes, dtypes, rids)
+
+
+@dataclass
+class RefEngineWorkerHooks:
+    engine: Any
+    trace: list[PhaseRecord] = field(default_factory=list)
+    forced: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        worker = self.engine.worker
+        if worker is None:
+            raise ValueError("worker hooks need a speculative engine (spec=None given)")
+        state = worker.draft_state
+        draft, verify, extend = worker.draft, worker.verify, worker.extend_input
+        add, install = state.add, state.install
+
+        def traced_draft(reqs, din):  # type: ignore[no-untyped-def]
+            vin = draft(reqs, din)
+            self.trace.append(describe("draft", vin, tuple(r.rid for r in reqs)))
+            return vin
+
+        def traced_verify(reqs, vin):  # type: ignore[no-untyped-def]
+            return self._force(reqs, verify(reqs, vin))
+
+        def traced_extend(outcome, keep):  # type: ignore[no-untyped-def]
+            ext = extend(outcome, keep)
+            self.trace.append(describe("verify", ext))
+            return ext
+
+        def traced_add(rids, rows):  # type: ignore[no-untyped-def]
+            self.trace.append(describe("prefill", rows, tuple(rids)))
+            add(rids, rows)
+
+        def traced_install(rids, draft_input):  # type: ignore[no-untyped-def]
+            install(rids, draft_input)
+            self.trace.append(describe("install", draft_input, tuple(rids)))
+
+        worker.draft, worker.verify, worker.extend_input = traced_draft, traced_verify, \
+            traced_extend
+        state.add, state.install = traced_add, traced_install
+
+    def force_accept(self, rid: str, drafts: int) -> None:
+        self.forced[rid] = drafts
+
+    def _force(self, reqs: list[Any], outcome: VerifyOutcome) -> VerifyOutcome:
+        """Replace a request's path by the tree's first-child chain of the forced length."""
+        vin = outcome.verify_input
+        for i, req in enumerate(reqs):
+            if req.rid not in self.forced:
+                continue
+            path = [0]
+            while len(path) - 1 < self.forced[req.rid]:
+                child = int(vin.retrieve_next_token[i, path[-1]])
+                if child < 0:
+                    break
+                path.append(child)
+            tokens = [int(vin.draft_tokens[i, j]) for j in path[1:]]
+            bonus = outcome.emitted[i][-1]
+            outcome.nodes[i], outcome.emitted[i] = path, [*tokens, bonus]
+        return outcome

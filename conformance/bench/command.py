@@ -1,0 +1,38 @@
+"""``specgate bench``: check the arguments, run the lanes, print the table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from conformance.report.files import output_file, write_atomically
+from conformance.run.usage import UsageError, validate
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from conformance.bench.lanes import parse_batch_sizes
+    from conformance.bench.measure import run_bench
+    from conformance.bench.result import format_table
+    from conformance.report.progress import Steps
+
+    backends = [b for b in (args.backends or ("refengine,hf" if args.spec == "none"
+                                               else "refengine")).split(",") if b]
+    loaded = validate(args.spec, backends, args.model, args.draft_model)
+    if args.graphs and not any(b.capabilities().graph_runner for b in loaded):
+        raise UsageError(f"--graphs: none of {', '.join(backends)} claims graph_runner")
+    json_path = output_file(args.json) if args.json else None
+    try:
+        batch_sizes = parse_batch_sizes(args.batch_sizes)
+        with Steps("bench", len(batch_sizes)) as steps:
+            result = run_bench(backends=backends, batch_sizes=batch_sizes,
+                               max_new_tokens=args.max_new_tokens, spec=args.spec,
+                               progress=steps, model=args.model, draft_model=args.draft_model,
+                               min_requests=args.min_requests, repeats=args.repeats,
+                               graphs=args.graphs)
+    except (ValueError, FileNotFoundError) as err:
+        raise UsageError(str(err)) from None
+    print(format_table(result))
+    if json_path is not None:
+        from dataclasses import asdict
+        write_atomically(json_path, json.dumps(asdict(result), indent=1) + "\n")
+    return 0

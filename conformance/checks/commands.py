@@ -1,0 +1,112 @@
+"""``specgate golden`` and ``specgate expected``: record or check the golden acceptance traces
+and the committed expected outputs."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from conformance.report.files import write_atomically
+from conformance.run.usage import UsageError, validate
+
+if TYPE_CHECKING:
+    from conformance.contract import SpecConfig
+
+
+def _golden_configs(spec: str) -> list[SpecConfig]:
+    from conformance.run.specs import resolve_specs
+
+    try:
+        choices = resolve_specs(spec)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    # Overlap configurations are held to their sequential twins' traces (golden_path).
+    configs = [c for choice in choices for c in choice.configs
+               if c is not None and not c.overlap]
+    if not configs:
+        raise UsageError(f"--spec {spec}: has no acceptance traces of its own (plain decoding "
+                         "has none; overlap configurations use their sequential twins')")
+    return configs
+
+
+def cmd_golden(args: argparse.Namespace) -> int:
+    from conformance.checks import golden
+    from conformance.report.progress import Steps
+    from conformance.run.prompts import load_prompt_set
+    from conformance.run.specs import config_id
+
+    validate("none", [], args.model)
+    configs = _golden_configs(args.spec)
+    try:
+        load_prompt_set(args.prompt_set, args.model)
+    except FileNotFoundError as err:
+        raise UsageError(str(err)) from None
+    failed = 0
+    with Steps(f"golden {args.action}", len(configs)) as steps:
+        for config in configs:
+            steps.start(f"{config_id(config)} on prompt set {args.prompt_set}")
+            trace = golden.record(config, args.prompt_set, args.model, args.max_new_tokens)
+            path = golden.golden_path(config, args.prompt_set)
+            s = trace.summary
+            line = (f"{config_id(config)}: mean tau {s['mean_tau']}, per-position acceptance "
+                    f"{s['per_position_acceptance']}, {s['verify_steps']} verify steps")
+            if args.action == "record":
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(trace.to_json())
+                print(f"{line} -> {path}", flush=True)
+                steps.done(f"written, mean tau {s['mean_tau']}")
+                continue
+            if not path.exists():
+                print(f"{config_id(config)}: MISSING {path}", flush=True)
+                steps.done("MISSING")
+                failed += 1
+                continue
+            stored = golden.GoldenTrace.from_json(path.read_text())
+            diffs = [r.id for r, g in zip(trace.requests, stored.requests, strict=False)
+                     if r != g]
+            same = trace.to_json() == stored.to_json()
+            print(f"{line}: {'matches' if same else 'DIFFERS'} {path}"
+                  + (f" (requests {diffs[:5]})" if diffs else ""), flush=True)
+            steps.done("matches" if same else "DIFFERS")
+            failed += 0 if same else 1
+    return 1 if failed else 0
+
+
+def cmd_expected(args: argparse.Namespace) -> int:
+    from conformance.checks import expected, expected_record
+    from refengine.data import fixture_names
+
+    validate("none", [], args.model)
+    if args.model not in fixture_names():
+        raise UsageError(f"--model {args.model}: expected outputs are recorded for bundled "
+                         f"fixtures only ({', '.join(fixture_names())})")
+    try:
+        import transformers  # noqa: F401  (the recording is checked against it)
+    except ImportError:
+        raise UsageError("expected: recording is checked against transformers; install it "
+                         "with: pip install 'specgate[hf]'") from None
+    path = expected.expected_path(args.model)
+    try:
+        recorded = expected_record.record(args.model)
+    except expected_record.ExpectedMismatch as err:
+        print(f"specgate expected: transformers disagrees, nothing written: {err}", flush=True)
+        return 1
+    ties = sum(len(c.hf_near_ties) for c in recorded.continuations.values())
+    line = (f"{args.model}: {len(recorded.continuations)} prompts, "
+            f"{sum(len(c.tokens) for c in recorded.continuations.values())} tokens, "
+            f"agree with transformers (near-ties: {ties})")
+    if args.action == "record":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, recorded.to_json())
+        print(f"{line} -> {path}", flush=True)
+        return 0
+    if not path.exists():
+        print(f"{line}: MISSING {path}", flush=True)
+        return 1
+    changed = expected.differences(expected.ExpectedOutputs.from_json(path.read_text()),
+                                   recorded)
+    verdict = ("matches" if not changed else f"DIFFERS ({len(changed)}: {'; '.join(changed[:3])})"
+               f" from")
+    print(f"{line}: {verdict} {path} (margins within {expected.MARGIN_TOLERANCE:g})",
+          flush=True)
+    return 0 if not changed else 1

@@ -1,0 +1,211 @@
+"""Golden acceptance traces: record, load, compare.
+
+``golden/<config>/<prompt-set>.json`` holds, per request, the greedy output, the tokens emitted
+per verify step (``accept_lens``) and ``fragile_from``: the first output index where the
+target's top-2 logit margin is below ``FRAGILE_MARGIN`` — from there on a numerically different
+(but correct) implementation may legitimately choose the other token. Traces catch draft-side
+regressions that output checks cannot see: a worse draft is still lossless, only slower.
+
+Files are written only by ``specgate golden record`` (serially, in one process). The engine's
+own tests compare exactly (syrupy, ``GoldenExtension``); other backends that claim
+``reference_draft`` are compared tolerantly (``compare``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from conformance.checks.oracle import top2_margins
+from conformance.run.prompts import load_prompt_set
+from conformance.run.specs import config_id
+from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
+from refengine.data import fixtures_root, golden_root
+
+SCHEMA_VERSION = 1
+FRAGILE_MARGIN = 1e-3     # logits: a closer top-2 is a near-tie
+TAU_RTOL = 0.05           # mean tau of another backend within 5% of the golden one
+RECORD_MAX_NEW_TOKENS = 128
+
+
+@dataclass
+class GoldenRequest:
+    id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    accept_lens: list[int]
+    fragile_from: int | None
+
+
+@dataclass
+class GoldenTrace:
+    schema_version: int
+    fixtures: dict[str, str]
+    spec: dict[str, object]
+    sampling: dict[str, object]
+    prompt_set: str
+    requests: list[GoldenRequest]
+    summary: dict[str, object]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> GoldenTrace:
+        raw = json.loads(text)
+        if raw.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"golden trace schema {raw.get('schema_version')} != {SCHEMA_VERSION}")
+        raw["requests"] = [GoldenRequest(**r) for r in raw["requests"]]
+        return cls(**raw)
+
+
+def summarize(accept_lens: list[list[int]], num_steps: int) -> dict[str, object]:
+    """Mean tau (tokens per verify, bonus included) and per-position acceptance: the share of
+    verify steps whose j-th draft token was accepted, j = 1..num_steps."""
+    steps = [n for lens in accept_lens for n in lens]
+    if not steps:
+        return {"mean_tau": None, "verify_steps": 0, "per_position_acceptance": []}
+    return {"mean_tau": round(sum(steps) / len(steps), 4), "verify_steps": len(steps),
+            "per_position_acceptance": [round(sum(n - 1 >= j for n in steps) / len(steps), 4)
+                                        for j in range(1, num_steps + 1)]}
+
+
+def fragile_from(engine: Engine, prompt_ids: list[int], output_ids: list[int]) -> int | None:
+    """First output index whose greedy choice is a near-tie for the target."""
+    if len(output_ids) < 2:
+        return None
+    logits = engine.prompt_logits(prompt_ids + output_ids[:-1])[len(prompt_ids) - 1:]
+    close = (top2_margins(logits) < FRAGILE_MARGIN).nonzero()
+    return int(close[0, 0]) if len(close) else None
+
+
+def fixture_hashes(config: SpecConfig, model: str) -> dict[str, str]:
+    manifest = json.loads((fixtures_root() / "MANIFEST.json").read_text())
+    wanted = (f"{model}/model.safetensors", f"{config.draft_model}/model.safetensors")
+    return {k: manifest[k] for k in wanted if k in manifest}
+
+
+def record(config: SpecConfig, prompt_set: str, model: str = "tiny-code",
+           max_new_tokens: int = RECORD_MAX_NEW_TOKENS) -> GoldenTrace:
+    """Run the reference engine on the whole prompt set at once and trace it."""
+    cases = load_prompt_set(prompt_set, model)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    engine = Engine(EngineConfig(model=model, spec=config, kv_pool_tokens=65536,
+                                 max_running_requests=max(64, len(cases))))
+    outs = engine.generate([list(c.ids) for c in cases], params)
+    scorer = Engine(EngineConfig(model=model, kv_pool_tokens=8192, max_running_requests=4))
+    requests = [GoldenRequest(c.id, list(c.ids), o.output_ids, o.accept_lens,
+                              fragile_from(scorer, list(c.ids), o.output_ids))
+                for c, o in zip(cases, outs, strict=True)]
+    return GoldenTrace(SCHEMA_VERSION, fixture_hashes(config, model), asdict(config),
+                       asdict(params), prompt_set, requests,
+                       summarize([r.accept_lens for r in requests], config.num_steps))
+
+
+def golden_path(config: SpecConfig, prompt_set: str, root: Path | None = None) -> Path:
+    """Overlap scheduling changes when a step's result is applied, not what is drafted or
+    accepted: an overlap configuration is held to its sequential twin's trace."""
+    twin = replace(config, overlap=False)
+    return (root or golden_root()) / config_id(twin) / f"{prompt_set}.json"
+
+
+def load(config: SpecConfig, prompt_set: str) -> GoldenTrace:
+    path = golden_path(config, prompt_set)
+    if not path.exists():
+        raise FileNotFoundError(f"no golden trace {path} (record it with `specgate golden "
+                                "record`)")
+    return GoldenTrace.from_json(path.read_text())
+
+
+def comparable_steps(accept_lens: list[int], upto: int) -> int:
+    """How many leading verify steps emit only output indices before ``upto`` (index 0 comes
+    from prefill, verify step j emits the ``accept_lens[j]`` indices after the previous
+    ones): up to there acceptance is determined by tokens both runs must agree on."""
+    end, steps = 1, 0
+    for n in accept_lens:
+        end += n
+        if end > upto:
+            break
+        steps += 1
+    return steps
+
+
+def compare(golden: GoldenTrace, outputs: dict[str, list[int]],
+            accept_lens: dict[str, list[int]], num_steps: int) -> list[str]:
+    """Per request: the output exact up to its first fragile position, and its accept length
+    at every verify step before that position exact too (a draft that got worse at one
+    position shows here even when the mean hides it); over all requests: mean tau within
+    ``TAU_RTOL`` of the golden mean. A run may stop before the trace's length (``outputs``
+    shorter): everything is compared over the tokens it produced. Returns problems."""
+    problems = []
+    tau_got: list[list[int]] = []
+    tau_want: list[list[int]] = []
+    for req in golden.requests:
+        if req.id not in outputs:
+            continue
+        produced = len(outputs[req.id])
+        upto = min(produced, len(req.output_ids) if req.fragile_from is None
+                   else req.fragile_from)
+        got, want = outputs[req.id][:upto], req.output_ids[:upto]
+        # Mean tau over the verify steps both runs completed inside the produced tokens.
+        lens = accept_lens.get(req.id, [])
+        span = min(comparable_steps(req.accept_lens, produced), comparable_steps(lens, produced))
+        tau_got.append(lens[:span])
+        tau_want.append(req.accept_lens[:span])
+        if got != want:
+            mismatch = [i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b]
+            first = mismatch[0] if mismatch else min(len(got), len(want))
+            problems.append(f"{req.id}: output differs from golden at index {first} "
+                            f"(before its first fragile position {upto})")
+            continue
+        steps = comparable_steps(req.accept_lens, upto)
+        got_lens, want_lens = lens[:steps], req.accept_lens[:steps]
+        if got_lens != want_lens:
+            step = next((j for j, (a, b) in enumerate(zip(got_lens, want_lens, strict=False))
+                         if a != b), min(len(got_lens), len(want_lens)))
+            problems.append(
+                f"{req.id}: verify step {step} accepted "
+                f"{got_lens[step] if step < len(got_lens) else None} tokens, golden "
+                f"{want_lens[step] if step < len(want_lens) else None} (steps compared "
+                f"exactly: {steps}, before output index {upto})")
+    want_tau = summarize(tau_want, num_steps)["mean_tau"]
+    got_tau = summarize(tau_got, num_steps)["mean_tau"]
+    if want_tau is not None and (got_tau is None or abs(got_tau - want_tau) > TAU_RTOL * want_tau):
+        problems.append(f"mean tau {got_tau} is outside {TAU_RTOL:.0%} of the golden {want_tau}")
+    return problems
+
+
+def syrupy_extension() -> type:
+    """A syrupy extension that compares a ``GoldenTrace`` with ``golden/<config>/<set>.json``.
+
+    The test's parameter id is the config id and the snapshot name is the prompt set. It never
+    writes: ``--snapshot-update`` raises, because golden files come only from
+    ``specgate golden record`` (reviewed in the commit that changes them).
+    """
+    from syrupy.extensions.json import JSONSnapshotExtension
+
+    class GoldenExtension(JSONSnapshotExtension):
+        prompt_set = "default"
+
+        @classmethod
+        def dirname(cls, *, test_location) -> str:  # type: ignore[no-untyped-def,override]
+            # syrupy (7+) also asks for the directory of every other collected test file, to
+            # find orphaned snapshots; an unparametrized test has no config, hence no traces.
+            name = test_location.nodename
+            if "[" not in name:
+                return str(golden_root() / "no-config" / name)
+            return str(golden_root() / name.split("[", 1)[1].rstrip("]"))
+
+        @classmethod
+        def get_snapshot_name(cls, *, test_location, index=0) -> str:  # type: ignore[no-untyped-def,override]
+            return cls.prompt_set
+
+        def serialize(self, data, **kwargs) -> str:  # type: ignore[no-untyped-def,override]
+            return data.to_json() if isinstance(data, GoldenTrace) else str(data)
+
+        @classmethod
+        def write_snapshot_collection(cls, *, snapshot_collection, name_order=None) -> None:  # type: ignore[no-untyped-def,override]
+            raise RuntimeError("golden traces are written only by `specgate golden record`")
+
+    return GoldenExtension

@@ -1,0 +1,248 @@
+"""The graph tier's properties, over any ``GraphProbe`` (``conformance/contract/graph_probe.py``).
+
+Each check runs one property for one kind over every raw batch size 1..``max_batch`` (not
+only the buckets: the padded sizes are the point) and raises ``AssertionError`` naming the
+kind, the raw size, the bucket and the numbers. The suite's graph tier runs them through the
+adapter; ``tests/test_graph_runner.py`` runs the same functions on the reference engine's probe
+over a small random model, so the properties have one statement.
+
+Every run goes through a ``Recorder``, which also checks on every graph run that the static
+buffers have not moved since the kind's first graph run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from conformance.contract.graph_probe import (
+    PADDED_FIELDS,
+    STATE_DIGESTS,
+    GraphCase,
+    GraphProbe,
+    GraphRun,
+)
+
+
+def where(run: GraphRun) -> str:
+    """The failure-message prefix: which case, on which bucket."""
+    return f"kind={run.case.kind} raw={run.case.raw} bucket={run.bucket} seed={run.case.seed}"
+
+
+def expected_bucket(probe: GraphProbe, raw: int) -> int | None:
+    """The smallest bucket that holds ``raw`` requests (None: no bucket does)."""
+    return next((b for b in probe.buckets() if b >= raw), None)
+
+
+@dataclass
+class Recorder:
+    """Runs cases on a probe; checks each report's shape and that every graph run of a kind
+    used the same static buffers (a replayed graph reads fixed addresses: a buffer that moved
+    would be read stale)."""
+
+    probe: GraphProbe
+    pointers: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def run(self, kind: str, raw: int, mode: Literal["eager", "graph"], seed: int = 0,
+            poison: bool = False) -> GraphRun:
+        run = self.probe.run(GraphCase(kind, raw, seed), mode, poison)
+        at = where(run)
+        assert set(run.state) == set(run.initial) == set(STATE_DIGESTS), (
+            f"{at} {mode}: state digests {sorted(run.state)} / {sorted(run.initial)}, "
+            f"expected {list(STATE_DIGESTS)}")
+        if mode == "eager":
+            return run
+        want = expected_bucket(self.probe, raw)
+        assert run.bucket == want, (
+            f"{at}: ran on bucket {run.bucket}, the smallest bucket >= {raw} is {want} "
+            f"(buckets {self.probe.buckets()})")
+        assert run.buffers, f"{at}: a graph run reported no static buffers"
+        first = self.pointers.setdefault(kind, dict(run.buffers))
+        moved = {name: (first.get(name), ptr) for name, ptr in run.buffers.items()
+                 if first.get(name) != ptr}
+        moved.update({name: (ptr, None) for name, ptr in first.items()
+                      if name not in run.buffers})
+        assert not moved, (f"{at}: static buffers moved since the kind's first graph run "
+                           f"(name: (first, now)): {moved}")
+        return run
+
+
+def compare_outputs(got: GraphRun, want: GraphRun, tolerance: float, what: str) -> None:
+    """``got``'s outputs against ``want``'s: same names, shapes and dtypes; integers exactly,
+    floats within ``tolerance`` (0: bitwise); NaN never matches."""
+    at = where(got)
+    assert set(got.outputs) == set(want.outputs), (
+        f"{at}: outputs {sorted(got.outputs)} vs {sorted(want.outputs)} ({what})")
+    for name, w in want.outputs.items():
+        g = got.outputs[name]
+        assert g.shape == w.shape and g.dtype == w.dtype, (
+            f"{at}: output {name!r} is {tuple(g.shape)} {g.dtype}, expected {tuple(w.shape)} "
+            f"{w.dtype} ({what})")
+        if tolerance == 0 or not w.dtype.is_floating_point:
+            if torch.equal(g, w):
+                continue
+            bad = (g != w).nonzero()
+            first = tuple(bad[0].tolist())
+            raise AssertionError(
+                f"{at}: output {name!r} differs at {bad.shape[0]} of {w.numel()} entries, "
+                f"first {first}: {g[first].item()} vs {w[first].item()} ({what})")
+        diff = (g.double() - w.double()).abs()
+        nan = diff.isnan()
+        worst = float(diff.nan_to_num(float("inf")).max()) if diff.numel() else 0.0
+        assert not nan.any() and worst <= tolerance, (
+            f"{at}: output {name!r} differs by {worst:.3g} (tolerance {tolerance:g}, "
+            f"{int(nan.sum())} NaN) ({what})")
+
+
+def compare_state(run: GraphRun, other: dict[str, str], label: str, why: str) -> None:
+    changed = [k for k in STATE_DIGESTS if run.state[k] != other[k]]
+    assert not changed, f"{where(run)} {run.mode}: digests {changed} differ from {label}: {why}"
+
+
+def check_state_untouched(probe: GraphProbe, run: GraphRun) -> None:
+    """A forward changes no state but its real rows' own KV writes (and the dummy page)."""
+    if probe.writes_kv(run.case.kind):
+        why = ("the forward changed KV outside the real rows' target slots and the dummy page, "
+               "the row table or the allocator")
+    else:
+        why = "a kind that writes no KV changed the KV pool, the row table or the allocator"
+    compare_state(run, run.initial, "before the forward", why)
+
+
+def check_graph_matches_eager(probe: GraphProbe, kind: str, seed: int = 0) -> Recorder:
+    """Every raw size: graph outputs == eager (tolerance for floats), both start from the
+    same state, and neither changes anything but the real rows' KV (and the dummy page)."""
+    rec = Recorder(probe)
+    tol = probe.float_tolerance()
+    for raw in range(1, probe.max_batch() + 1):
+        eager = rec.run(kind, raw, "eager", seed)
+        graph = rec.run(kind, raw, "graph", seed)
+        assert graph.initial == eager.initial, (
+            f"{where(graph)}: the graph run started from other state than the eager run "
+            f"(digests {[k for k in STATE_DIGESTS if graph.initial[k] != eager.initial[k]]}); "
+            "the probe must reset per run")
+        compare_outputs(graph, eager, tol, "graph vs eager")
+        check_state_untouched(probe, eager)
+        check_state_untouched(probe, graph)
+        compare_state(graph, eager.state, "the eager run's", "padded rows wrote state a "
+                      "request owns")
+    return rec
+
+
+def check_padding_policy(probe: GraphProbe, kind: str, seed: int = 0) -> Recorder:
+    """After the largest batch filled every static row with real values, every raw size's
+    padded rows hold the policy's values: the reserved row and slot, in-range token ids and
+    positions, the fill length. A tail left from the larger batch would read (or write) a
+    real request's KV, invisibly in the outputs."""
+    rec = Recorder(probe)
+    policy = probe.padding_policy(kind)
+    top = probe.max_batch()
+    rec.run(kind, top, "graph", seed)
+    for raw in range(1, top + 1):
+        run = rec.run(kind, raw, "graph", seed)
+        at = where(run)
+        unknown = set(run.padded) - set(PADDED_FIELDS)
+        assert not unknown, f"{at}: unknown padded fields {sorted(unknown)} ({PADDED_FIELDS})"
+        pad = run.bucket - raw
+        if pad:
+            assert run.padded, f"{at}: {pad} padded rows, but no padded fields reported"
+        for name, values in run.padded.items():
+            assert values.shape[:1] == (pad,), (
+                f"{at}: padded {name} has {tuple(values.shape)} rows, expected {pad}")
+            flat = values.reshape(-1)
+            if name == "request_rows":
+                bad = flat != policy.dummy_row
+                rule = f"== dummy row {policy.dummy_row} (else it reads a real request's KV)"
+            elif name == "out_slots":
+                bad = flat != policy.dummy_slot
+                rule = f"== dummy slot {policy.dummy_slot} (else it writes a real request's KV)"
+            elif name == "token_ids":
+                bad = (flat < 0) | (flat >= policy.vocab_size)
+                rule = f"in [0, {policy.vocab_size})"
+            elif name == "positions":
+                bad = (flat < 0) | (flat >= policy.max_position)
+                rule = f"in [0, {policy.max_position})"
+            else:
+                bad = flat != policy.length_fill
+                rule = f"== length fill {policy.length_fill}"
+            assert not bad.any(), (
+                f"{at}: padded {name} {values.tolist()} must be {rule}; a staging step left "
+                "an earlier batch's values in the padded rows")
+    return rec
+
+
+def check_poisoned_padding(probe: GraphProbe, kind: str, seed: int = 0) -> Recorder:
+    """Every raw size: hostile values in the padded tail of every static buffer before
+    staging change nothing -- outputs bitwise, state digests, the staged padding."""
+    rec = Recorder(probe)
+    for raw in range(1, probe.max_batch() + 1):
+        clean = rec.run(kind, raw, "graph", seed)
+        poisoned = rec.run(kind, raw, "graph", seed, poison=True)
+        compare_outputs(poisoned, clean, 0, "poisoned padding vs clean")
+        compare_state(poisoned, clean.state, "the clean run's", "poisoned padding changed "
+                      "state")
+        check_state_untouched(probe, poisoned)
+        for name, values in clean.padded.items():
+            assert torch.equal(poisoned.padded.get(name, torch.empty(0)), values), (
+                f"{where(poisoned)}: padded {name} staged as "
+                f"{poisoned.padded.get(name, torch.empty(0)).tolist()} after poisoning, "
+                f"{values.tolist()} clean: staging kept the poison")
+    return rec
+
+
+def check_no_history_dependence(probe: GraphProbe, kind: str, seed: int = 0) -> Recorder:
+    """Every padded raw size: its result, fresh, equals (bitwise) its result after the
+    largest batch, after a batch on another bucket and after a poisoned run of a smaller
+    bucket (whose hostile tail lies inside this one's bucket); and the first result's tensors
+    are not overwritten by the runs after it (outputs are fresh memory)."""
+    rec = Recorder(probe)
+    top = probe.max_batch()
+    buckets = probe.buckets()
+    padded = [raw for raw in range(1, top + 1) if raw not in buckets]
+    for raw in padded:
+        first = rec.run(kind, raw, "graph", seed)
+        kept = {name: t.clone() for name, t in first.outputs.items()}
+        others = [b for b in buckets if b not in (first.bucket, top)]
+        other = others[-1] if others else 1
+        preludes = {"after the largest batch": (top, False),
+                    f"after a batch of {other} (another bucket)": (other, False),
+                    "after a poisoned batch of 1": (1, True)}
+        for label, (size, poison) in preludes.items():
+            rec.run(kind, size, "graph", seed, poison=poison)
+            again = rec.run(kind, raw, "graph", seed)
+            compare_outputs(again, first, 0, label)
+            compare_state(again, first.state, "the first run's", label)
+        for name, t in first.outputs.items():
+            assert torch.equal(t, kept[name]), (
+                f"{where(first)}: output {name!r} of the first run changed after later runs: "
+                "outputs alias memory a replay overwrites")
+    return rec
+
+
+def check_static_buffers_and_fresh_outputs(probe: GraphProbe, seed: int = 0) -> Recorder:
+    """Every kind interleaved at a few sizes: static buffers never move (the recorder), every
+    run's outputs are new memory (no output shares an address with another run's or with a
+    static buffer) and keep their values after later runs."""
+    rec = Recorder(probe)
+    top = probe.max_batch()
+    sizes = list(dict.fromkeys(min(raw, top) for raw in (1, 3, top, 2)))
+    runs: list[tuple[GraphRun, dict[str, torch.Tensor]]] = []
+    for raw in sizes:
+        for kind in probe.kinds():
+            run = rec.run(kind, raw, "graph", seed)
+            runs.append((run, {n: t.clone() for n, t in run.outputs.items()}))
+    statics = {ptr for ptrs in rec.pointers.values() for ptr in ptrs.values()}
+    seen: dict[int, str] = {}
+    for run, copies in runs:
+        for name, t in run.outputs.items():
+            at = f"{where(run)} output {name!r}"
+            assert torch.equal(t, copies[name]), f"{at}: changed by a later run"
+            if t.numel() == 0:
+                continue
+            ptr = t.data_ptr()
+            assert ptr not in statics, f"{at}: is a static buffer's memory"
+            assert ptr not in seen, f"{at}: shares memory with {seen[ptr]}"
+            seen[ptr] = at
+    return rec

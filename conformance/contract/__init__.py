@@ -1,0 +1,48 @@
+"""The contract: everything a backend needs to be certified, and nothing else.
+
+It imports neither torch nor the reference engine (a test checks it with both blocked): an
+adapter for another engine depends on this package alone. The wire types (requests, events,
+memory view) come from ``specwire``, which the reference engine speaks natively.
+"""
+
+from conformance.contract.adapter import (
+    ALGORITHMS,
+    FLAG_NAMES,
+    PRECISIONS,
+    Backend,
+    Capabilities,
+    EngineHandle,
+    OpenConfig,
+    Request,
+    unclaimed_reasons,
+)
+from conformance.contract.graph_probe import (
+    PADDED_FIELDS,
+    STATE_DIGESTS,
+    GraphCase,
+    GraphProbe,
+    GraphRun,
+    Mode,
+    PaddingPolicy,
+)
+from conformance.contract.kernels import BuildTree, KernelImpls, VerifyGreedy
+from conformance.contract.worker_hooks import PhaseRecord, WorkerHooks
+from specwire import (
+    Event,
+    FinishEvent,
+    FinishReason,
+    MemoryView,
+    ReqKV,
+    RetractEvent,
+    SamplingParams,
+    SpecConfig,
+    TokenEvent,
+)
+
+__all__ = [
+    "ALGORITHMS", "FLAG_NAMES", "PADDED_FIELDS", "PRECISIONS", "STATE_DIGESTS", "Backend",
+    "BuildTree", "Capabilities", "EngineHandle", "Event", "FinishEvent", "FinishReason",
+    "GraphCase", "GraphProbe", "GraphRun", "KernelImpls", "MemoryView", "Mode", "OpenConfig",
+    "PaddingPolicy", "PhaseRecord", "ReqKV", "Request", "RetractEvent", "SamplingParams",
+    "SpecConfig", "TokenEvent", "VerifyGreedy", "WorkerHooks", "unclaimed_reasons",
+]

@@ -1,0 +1,321 @@
+"""The certificate: report.md and report.json from the plugin's per-check results.
+
+A tier's status is, in order: "failed" if any check failed; "not claimed" if every check was
+gated off by an undeclared capability; "skipped" if nothing ran for another reason; else
+"passed". Nothing counts as passed unless at least one check in it passed. Every check that did
+not run is listed in report.md with its reason. A run stopped by Ctrl-C gives a certificate
+whose status is "incomplete": it covers the checks that finished, and only those.
+
+The certificate also says what was certified (``conformance.report.certified``): every configuration
+with its parameters and τ, the precision the backend declares, the near-ties, and beside
+report.md ``acceptance.png`` (``conformance.report.acceptance_chart``) when the golden tier ran.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import xml.etree.ElementTree as ET
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from conformance.report.acceptance_chart import AcceptPanel, draw_acceptance, shares
+from conformance.report.certified import ConfigRun, config_runs, near_ties
+from conformance.report.png import encode_png
+
+OUTCOMES = ("passed", "failed", "not claimed", "skipped")
+
+
+@dataclass
+class TierSummary:
+    tier: str
+    counts: dict[str, int]
+    status: str
+    seconds: float
+    failures: list[dict[str, str]] = field(default_factory=list)
+    not_run: dict[str, int] = field(default_factory=dict)  # "outcome: reason" -> checks
+
+
+@dataclass
+class Certificate:
+    backend: dict[str, str]
+    capabilities: dict[str, object]
+    spec: str
+    profile: str
+    tiers: list[TierSummary]
+    status: str                # "passed" | "failed" | "incomplete" (interrupted)
+    vacuous: str | None
+    environment: dict[str, str]
+    created: str
+    checks: list[dict[str, object]]
+    matrix: dict[str, dict[str, str]]  # capability -> tier -> status of checks needing it
+    interrupted: bool = False
+    graphs: str | None = None  # the backend's graph executor the run asked for (None: eager)
+    # capability -> why the backend does not claim it (Backend.unclaimed_reasons, optional)
+    unclaimed_reasons: dict[str, str] = field(default_factory=dict)
+    precision: str = "float32"  # what the backend declares (Capabilities.precision)
+    configurations: list[ConfigRun] = field(default_factory=list)
+    near_ties: list[dict[str, str]] = field(default_factory=list)
+    case_timeout: float | None = None  # seconds per phase of a check; 0: no limit
+
+    @property
+    def acceptance_panels(self) -> list[AcceptPanel]:
+        return [AcceptPanel(c.id, c.accept_hist, c.golden_accept_hist)
+                for c in self.configurations if c.accept_hist or c.golden_accept_hist]
+
+    @property
+    def total_checks(self) -> int:
+        return sum(sum(t.counts.values()) for t in self.tiers)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+
+def _status(counts: Counter[str]) -> str:
+    if counts["failed"]:
+        return "failed"
+    if counts["passed"]:
+        return "passed"
+    if counts["not claimed"]:
+        return "not claimed"
+    return "skipped"
+
+
+def _environment() -> dict[str, str]:
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform(), "threads": str(torch.get_num_threads())}
+
+
+def _not_run(rows: list[dict[str, object]]) -> dict[str, int]:
+    """"outcome: reason" -> how many checks, for the checks that did not run."""
+    def why(row: dict[str, object]) -> str:
+        message = str(row["message"]).removeprefix("Skipped: ")
+        return message.removeprefix(f"{row['outcome']}: ")  # "not claimed: x" says it already
+    reasons = Counter(f"{r['outcome']}: {why(r)}"
+                      for r in rows if r["outcome"] in ("skipped", "not claimed"))
+    return dict(sorted(reasons.items()))
+
+
+def build_certificate(results: dict[str, object]) -> Certificate:
+    checks: list[dict[str, object]] = list(results["checks"])  # type: ignore[arg-type]
+    tiers: dict[str, list[dict[str, object]]] = {}
+    for check in checks:
+        tiers.setdefault(str(check["tier"]), []).append(check)
+    summaries = []
+    for tier, rows in sorted(tiers.items()):
+        counts = Counter(str(r["outcome"]) for r in rows)
+        summaries.append(TierSummary(
+            tier, {o: counts[o] for o in OUTCOMES}, _status(counts),
+            round(sum(float(r["duration"]) for r in rows), 2),
+            [{"check": str(r["nodeid"]), "message": str(r["message"])}
+             for r in rows if r["outcome"] == "failed"], _not_run(rows)))
+    matrix: dict[str, dict[str, str]] = {}
+    for tier, rows in sorted(tiers.items()):
+        for cap in sorted({c for r in rows for c in str(r["requires"]).split(",") if c}):
+            needing = Counter(str(r["outcome"]) for r in rows if cap in str(r["requires"]))
+            matrix.setdefault(cap, {})[tier] = _status(needing)
+    failed = any(s.status == "failed" for s in summaries) or bool(results.get("vacuous"))
+    interrupted = bool(results.get("interrupted"))
+    return Certificate(
+        backend=dict(results["backend"]),  # type: ignore[arg-type]
+        capabilities=dict(results["capabilities"]),  # type: ignore[arg-type]
+        spec=str(results["spec"]), profile=str(results["profile"]), tiers=summaries,
+        status=("incomplete" if interrupted else
+                "failed" if failed or not summaries else "passed"),
+        vacuous=results.get("vacuous") or (None if summaries or interrupted
+                                           else "zero checks collected"),
+        environment=_environment(),
+        created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ"),
+        checks=checks, matrix=matrix, interrupted=interrupted,
+        unclaimed_reasons=dict(results.get("unclaimed_reasons", {})),  # type: ignore[call-overload]
+        graphs=results.get("graphs"),  # type: ignore[arg-type]
+        precision=str(results.get("precision", "float32")),
+        configurations=config_runs(list(results.get("configurations", [])),  # type: ignore[call-overload]
+                                   checks),
+        near_ties=near_ties(checks),
+        case_timeout=results.get("case_timeout"))  # type: ignore[arg-type]
+
+
+def headline(cert: Certificate) -> str:
+    return "INCOMPLETE (interrupted)" if cert.interrupted else cert.status.upper()
+
+
+def tier_table(cert: Certificate) -> str:
+    head = "| tier | passed | failed | not claimed | skipped | seconds | status |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for t in cert.tiers:
+        c = t.counts
+        lines.append(f"| {t.tier} | {c['passed']} | {c['failed']} | {c['not claimed']} | "
+                     f"{c['skipped']} | {t.seconds} | **{t.status}** |")
+    return "\n".join(lines)
+
+
+def matrix_table(cert: Certificate) -> str:
+    tiers = [t.tier for t in cert.tiers]
+    lines = ["| capability | claimed | " + " | ".join(tiers) + " |",
+             "|---|---|" + "---|" * len(tiers)]
+    for cap, cells in sorted(cert.matrix.items()):
+        name = cap.split(":", 1)[-1]
+        claimed = (name in cert.capabilities.get("algorithms", []) if cap.startswith("algorithm:")
+                   else bool(cert.capabilities.get(cap)))
+        row = " | ".join(cells.get(t, "—") for t in tiers)
+        lines.append(f"| {cap} | {'yes' if claimed else 'no'} | {row} |")
+    return "\n".join(lines)
+
+
+# figures with a section of their own, left out of the per-check list
+SHOWN_ELSEWHERE = frozenset({"accept_hist", "golden_accept_hist", "near_ties"})
+ACCEPTANCE_PNG = "acceptance.png"
+
+
+def _shown(value: object) -> str:
+    return "—" if value is None or value == "" else str(value)
+
+
+def configurations_table(cert: Certificate) -> str:
+    lines = ["| configuration | algorithm | draft model | S (num_steps) | k (topk) | "
+             "N (num_draft_tokens) | overlap | τ lossless (checks) | "
+             "τ golden tier: backend / golden |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in cert.configurations:
+        p = c.parameters
+        tau = f"{c.tau} ({c.tau_checks})" if c.tau is not None else "—"
+        golden = (f"{c.golden_tau} / {_shown(c.golden_reference_tau)}"
+                  if c.golden_tau is not None else "—")
+        lines.append(f"| `{c.id}` | {p.get('algorithm')} | {_shown(p.get('draft_model'))} | "
+                     f"{_shown(p.get('num_steps'))} | {_shown(p.get('topk'))} | "
+                     f"{_shown(p.get('num_draft_tokens'))} | {_shown(p.get('overlap'))} | "
+                     f"{tau} | {golden} |")
+    return "\n".join(lines)
+
+
+def certified_lines(cert: Certificate) -> list[str]:
+    """What was certified: backend, precision, spec, every configuration's parameters and τ,
+    the near-ties."""
+    b = cert.backend
+    timeout = ("no limit" if not cert.case_timeout
+               else f"{cert.case_timeout:g} s per phase of a check")
+    out = ["## What was certified", "",
+           f"- backend: `{b['name']}` version `{b['version']}`",
+           f"- precision the backend declares: `{cert.precision}`",
+           f"- spec: `{cert.spec}`, profile: `{cert.profile}`, graphs: `{cert.graphs or 'off'}`",
+           f"- case timeout: {timeout}",
+           f"- near-ties: {len(cert.near_ties)}", ""]
+    if cert.configurations:
+        out += ["τ: tokens per verify step, bonus included (plain decoding has none).", "",
+                configurations_table(cert), ""]
+    if cert.near_ties:
+        out += ["Near-ties (the backend diverged where the reference's top-2 margin is below "
+                "the bound for its declared precision; listed, not failed):", ""]
+        out += [f"- `{t['check']}`: {t['near_tie']}" for t in cert.near_ties]
+        out.append("")
+    return out
+
+
+def acceptance_lines(cert: Certificate) -> list[str]:
+    panels = cert.acceptance_panels
+    if not panels:
+        return ["## Acceptance", "", "No accept-length histogram: the golden tier did not run "
+                "(it needs `reference_draft` and `acceptance_stats`, and a speculative spec).",
+                ""]
+    out = ["## Acceptance", "",
+           f"![accept-length histogram, backend vs golden]({ACCEPTANCE_PNG})", "",
+           f"`{ACCEPTANCE_PNG}`: one panel per configuration ("
+           + ", ".join(f"`{p.config}`" for p in panels) + "), left to right; per accept length "
+           "the backend's share of verify steps (blue) beside the golden trace's (orange), "
+           "on the golden tier's prompts.", "",
+           "| configuration | verify steps: backend / golden | share per accept length "
+           "1, 2, ...: backend | golden |", "|---|---|---|---|"]
+    for p in panels:
+        ours, theirs = (" ".join(f"{v:.2f}" for v in shares(h, p.lengths))
+                        for h in (p.backend, p.golden))
+        out.append(f"| `{p.config}` | {sum(p.backend.values())} / {sum(p.golden.values())} | "
+                   f"{ours} | {theirs} |")
+    out.append("")
+    return out
+
+
+def render_markdown(cert: Certificate) -> str:
+    b = cert.backend
+    out = [f"# specgate certificate: {b['name']} {b['version']}", "",
+           f"- result: **{headline(cert)}**",
+           f"- spec: `{cert.spec}`, profile: `{cert.profile}`, graphs: "
+           f"`{cert.graphs or 'off'}`",
+           f"- backend resolved from: `{b['resolved_from']}`",
+           f"- created: {cert.created}", ""]
+    if cert.interrupted:
+        out += [f"**The run was interrupted.** This certificate covers the {cert.total_checks} "
+                "checks that finished before it stopped; the checks that did not run are not "
+                "in it, and it certifies nothing.", ""]
+    if cert.vacuous:
+        out += [f"**Vacuous run refused:** {cert.vacuous}", ""]
+    out += certified_lines(cert)
+    out += ["## Tiers", "", tier_table(cert), "",
+            "## Capability × tier", "",
+            "Each cell: the status of the checks in that tier that need the capability. "
+            "\"not claimed\" means the backend does not declare it: nothing was certified.", "",
+            matrix_table(cert), ""]
+    if cert.unclaimed_reasons:
+        out += ["## Not claimed, and why", "", "As the backend explains it:", ""]
+        out += [f"- `{cap}`: {why}" for cap, why in sorted(cert.unclaimed_reasons.items())]
+        out.append("")
+    not_run = [(t.tier, why, n) for t in cert.tiers for why, n in t.not_run.items()]
+    if not_run:
+        out += ["## Checks that did not run, and why", "", "| tier | checks | why |",
+                "|---|---|---|"]
+        out += [f"| {tier} | {n} | {why} |" for tier, why, n in not_run]
+        out.append("")
+    failures = [f for t in cert.tiers for f in t.failures]
+    if failures:
+        out += ["## Failures", ""]
+        out += [f"- `{f['check']}`: {f['message']}" for f in failures]
+        out.append("")
+    out += acceptance_lines(cert)
+    figures = [(c["nodeid"], {k: v for k, v in c["figures"].items() if k not in SHOWN_ELSEWHERE})
+               for c in cert.checks if c.get("figures")]
+    figures = [(node, f) for node, f in figures if f]
+    if figures:
+        out += ["## Figures", ""]
+        out += [f"- `{node}`: " + ", ".join(f"{k}={v}" for k, v in sorted(f.items()))
+                for node, f in figures]
+        out.append("")
+    out += ["## Environment", ""] + [f"- {k}: {v}" for k, v in cert.environment.items()]
+    return "\n".join(out) + "\n"
+
+
+def write_reports(cert: Certificate, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "report.md").write_text(render_markdown(cert))
+    (directory / "report.json").write_text(cert.to_json() + "\n")
+    if cert.acceptance_panels:
+        (directory / ACCEPTANCE_PNG).write_bytes(
+            encode_png(draw_acceptance(cert.acceptance_panels)))
+
+
+def indent_junit(path: Path) -> None:
+    """pytest writes junit.xml on one line; indent it so a diff or a reader can follow it."""
+    tree = ET.parse(path)
+    ET.indent(tree)
+    tree.write(path, encoding="utf-8", xml_declaration=True)
+
+
+def summary_rows(certs: list[Certificate]) -> tuple[list[str], list[list[str]]]:
+    """A run over several specs, one row per spec: its result and its tiers' statuses."""
+    tiers = sorted({t.tier for c in certs for t in c.tiers})
+    rows = []
+    for c in certs:
+        status = {t.tier: t.status for t in c.tiers}
+        rows.append([c.spec, headline(c), *(status.get(t, "—") for t in tiers)])
+    return ["spec", "result", *tiers], rows
+
+
+def summary_markdown(certs: list[Certificate]) -> str:
+    columns, rows = summary_rows(certs)
+    lines = ["# specgate certificates, every spec", "", "| " + " | ".join(columns) + " |",
+             "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += ["", "Each spec's certificate is in its own directory (`<spec>/report.md`)."]
+    return "\n".join(lines) + "\n"

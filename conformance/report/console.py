@@ -1,0 +1,55 @@
+"""Tables on stdout: the certificate's tiers, the summary of every spec, the mutants."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from conformance.report.certificate import Certificate
+
+
+def stdout_console() -> Console:
+    """Rich console on stdout, 120 columns wide when not a terminal."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = 120  # a log or a pipe: wide enough that tables do not wrap
+    return console
+
+
+def print_table(title: str, columns: list[str], rows: list[list[str]],
+                right: tuple[str, ...] = ()) -> None:
+    """A rich table on stdout; ``right``: the columns of figures."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="right" if column in right else "left",
+                         overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    stdout_console().print(table)
+
+
+def print_certificate(cert: Certificate, where: Path) -> None:
+    from conformance.report.certificate import headline
+
+    counts = ("passed", "failed", "not claimed", "skipped")
+    rows = []
+    for t in cert.tiers:
+        style = {"failed": "bold red", "passed": "green"}.get(t.status, "yellow")
+        rows.append([t.tier, *(str(t.counts[o]) for o in counts), f"{t.seconds:.1f}",
+                     f"[{style}]{t.status}[/]"])
+    print_table(f"specgate certificate for {cert.backend['name']} {cert.backend['version']}, "
+                 f"spec {cert.spec}: {headline(cert)}",
+                 ["tier", *counts, "seconds", "status"], rows, right=(*counts, "seconds"))
+    out = stdout_console()
+    for t in cert.tiers:
+        for why, n in t.not_run.items():
+            out.print(f"  {t.tier}: {n} check(s) {why}", markup=False)
+    out.print(f"reports: {where / 'report.md'}, {where / 'report.json'}, "
+              f"{where / 'junit.xml'}", markup=False)

@@ -1,0 +1,80 @@
+"""``specgate mutants``: the suite against each bug-zoo mutant; each must be killed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from conformance.report.console import print_table
+from conformance.run.certify import pytest_problem
+from conformance.run.usage import Interrupted, UsageError, validate
+
+if TYPE_CHECKING:
+    from conformance.backends.mutants import Mutant
+    from conformance.backends.mutants.source_patches import SourceMutant
+
+
+STRICT_CHECK_ERRORS = ("MemoryCheckError", "DoubleFreeError")  # raised inside refengine itself
+
+
+def _killer(check: dict[str, object]) -> str:
+    """Who killed a mutant: a suite check, or the engine's own strict check (which fires
+    inside whichever check happened to run first, so that check is only where it showed)."""
+    message = str(check["message"])
+    for error in STRICT_CHECK_ERRORS:
+        if error in message:
+            return f"refengine strict check ({error}), raised during {check['nodeid']}"
+    return str(check["nodeid"])
+
+
+def cmd_mutants(args: argparse.Namespace) -> int:
+    from conformance.backends.mutants import MUTANTS as CLASS_MUTANTS
+    from conformance.backends.mutants.source_patches import SOURCE_MUTANTS
+    from conformance.report.progress import Steps
+    from conformance.run.suite import SuiteOptions, run_suite
+
+    zoo: dict[str, Mutant | SourceMutant] = {**CLASS_MUTANTS, **SOURCE_MUTANTS}
+    names = list(zoo) if not args.only else args.only.split(",")
+    unknown = [n for n in names if n not in zoo]
+    if unknown:
+        raise UsageError(f"--only: unknown mutant(s) {unknown} (known: {', '.join(zoo)})")
+    # every source mutant's patch must still apply, before any work
+    validate(args.spec or "none", [f"mutant:{n}" for n in names if n in SOURCE_MUTANTS],
+              args.model, args.draft_model)
+    rows = []
+    with Steps("mutants", len(names)) as steps:
+        for name in names:
+            # A mutant runs under the spec where its bug is visible (a plain one under none, a
+            # speculative one under eagle or eagle-v2); --spec forces one spec for all.
+            spec = args.spec or zoo[name].spec
+            steps.start(f"{name} (spec {spec})")
+            opts = SuiteOptions(f"mutant:{name}", spec, args.profile, args.model,
+                                args.draft_model, stop_at_first_failure=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                run = run_suite(opts, Path(tmp) / "results.json")
+            if run.interrupted:
+                raise Interrupted(f"mutants stopped during {name}; {len(rows)} of {len(names)} "
+                                  "had finished, no verdicts are reported")
+            checks = run.results["checks"] if run.results else []
+            killers = [c for c in checks if c["outcome"] == "failed"]
+            status = ("killed" if killers else "survived" if checks
+                      else "error: the suite did not run")
+            row = {"mutant": name, "spec": spec, "bug_class": zoo[name].bug_class,
+                   "status": status, "killed_by": _killer(killers[0]) if killers else None,
+                   "message": killers[0]["message"] if killers else None}
+            rows.append(row)
+            steps.done(status + (f" by {row['killed_by']}" if killers else ""))
+            if not checks:
+                steps.note(pytest_problem(run))
+    survived = [r for r in rows if r["status"] != "killed"]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print_table(f"specgate mutants: {len(rows) - len(survived)} of {len(rows)} killed",
+                     ["mutant", "spec", "bug class", "status", "killed by"],
+                     [[r["mutant"], r["spec"], r["bug_class"], r["status"],
+                       r["killed_by"] or "—"] for r in rows])
+    return 1 if survived else 0

@@ -1,0 +1,343 @@
+"""The specgate pytest plugin (entry point ``pytest11: specgate``).
+
+It adds the ``--specgate-*`` options, resolves the backend under test, gates every suite check
+on the capabilities the backend declares (an undeclared one is reported as "not claimed", never
+as passed), refuses vacuous runs (zero checks, or every check skipped), prints a header naming
+backend, version and capabilities, and writes a machine-readable results file for
+``specgate certify``. Works under pytest-xdist: per-check data travels in ``user_properties``
+and only the controller writes results.
+
+A check that raises or hangs fails alone: every phase of a check has a timeout
+(``conformance.run.case_timeout``), and a worker stuck in native code is ended by the native
+watchdog (``conformance.run.native_watchdog``); xdist reports that check as crashed, and its row
+says why. The results also say what was certified: each configuration's parameters and the
+precision the backend declares (``conformance.report.certified``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from conformance.checks.oracle import ReferenceOracle
+from conformance.contract import Backend, Capabilities, OpenConfig, SpecConfig, unclaimed_reasons
+from conformance.report.certified import config_record
+from conformance.report.progress import tier_of
+from conformance.run.case_timeout import CaseDeadline, default_seconds, native_grace
+from conformance.run.interrupt_redelivery import keep_interrupts
+from conformance.run.native_watchdog import (
+    WORKER_INPUT_KEY,
+    NativeWatchdog,
+    crash_message,
+    dump_path,
+)
+from conformance.run.profiles import PROFILES, Profile
+from conformance.run.prompts import PromptCase, load_prompt_set
+from conformance.run.quick_exit import WorkerInterruptExit
+from conformance.run.registry import BackendError, load_backend
+from conformance.run.specs import SpecChoice, resolve_specs
+from refengine.config import GRAPH_EXECUTORS
+
+NOT_CLAIMED = "not claimed"
+DEFAULT_BACKEND = "refengine"
+
+
+@dataclass
+class SuiteContext:
+    """What every check needs: the backend, its claims, the spec, the profile and the oracle."""
+
+    backend_name: str
+    backend: Backend
+    caps: Capabilities
+    spec: SpecChoice
+    profile: Profile
+    model: str = "tiny-code"
+    graph_executor: str | None = None  # --specgate-graphs
+    _oracle: ReferenceOracle | None = field(default=None, repr=False)
+    _check: pytest.Item | None = field(default=None, repr=False)  # the suite check running now
+
+    @property
+    def prompts(self) -> tuple[PromptCase, ...]:
+        return load_prompt_set(self.profile.prompt_set, self.model)
+
+    def open_config(self, spec: SpecConfig | None, **limits: int) -> OpenConfig:
+        """What every check opens the backend with: the model, ``spec``, the run's graph
+        executor, and the check's own limits."""
+        return replace(OpenConfig(model=self.model, spec=spec,
+                                  graph_executor=self.graph_executor), **limits)
+
+    @property
+    def oracle(self) -> ReferenceOracle:
+        if self._oracle is None:
+            self._oracle = ReferenceOracle(self.model)
+        return self._oracle
+
+    def extend_property(self, name: str, entries: list[str]) -> None:
+        """Add ``entries`` to the list property ``name`` of the running check (what pytest's
+        ``record_property`` fixture writes), so helpers shared by the tiers record figures
+        without every check handing the fixture down; calls within one check add up."""
+        assert self._check is not None, "extend_property: no suite check is running"
+        props = self._check.user_properties
+        for i, (key, value) in enumerate(props):
+            if key == name:
+                props[i] = (name, [*value, *entries])
+                return
+        props.append((name, list(entries)))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("specgate", "specgate conformance suite")
+    group.addoption("--specgate-backend", default=None,
+                    help="backend under test: an entry-point name (refengine, hf, "
+                         "ctranslate2) or module:factory; default $SPECGATE_BACKEND or refengine")
+    group.addoption("--specgate-spec", default="none",
+                    help="speculative configuration to certify (none, all)")
+    group.addoption("--specgate-profile", default="gate", choices=sorted(PROFILES),
+                    help="gate: quick CI subset; full: every configuration")
+    group.addoption("--specgate-model", default="tiny-code",
+                    help="target model: a fixture name or an HF-format directory")
+    group.addoption("--specgate-draft-model", default=None,
+                    help="override the spec configurations' draft model (fixture or directory)")
+    group.addoption("--specgate-graphs", default=None, choices=GRAPH_EXECUTORS,
+                    help="run the backend's forwards through its graph runner with this "
+                         "executor (backends claiming graph_runner)")
+    group.addoption("--specgate-case-timeout", default=None, type=float,
+                    help="seconds each phase of a check may take before it fails (0: no "
+                         "limit); default by profile: " + ", ".join(
+                             f"{p} {default_seconds(p, None):g}" for p in PROFILES)
+                         + ", four times that with --specgate-graphs compiled or frozen")
+    group.addoption("--specgate-results", default=None,
+                    help="write per-check results (JSON) here")
+
+
+def _backend_name(config: pytest.Config) -> str:
+    return (config.getoption("--specgate-backend") or os.environ.get("SPECGATE_BACKEND")
+            or DEFAULT_BACKEND)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "specgate_tier(name): the suite tier a check belongs to")
+    config.addinivalue_line("markers", "specgate_requires(*capabilities): capabilities the "
+                            "backend must claim (flags, or 'algorithm:<name>')")
+    config.addinivalue_line("markers", "slow: long-running check")
+    seconds = case_timeout(config)
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:  # xdist workers forward their reports instead
+        config.pluginmanager.register(WorkerInterruptExit(), "specgate-worker-exit")
+        watchdog_dir = workerinput.get(WORKER_INPUT_KEY)
+        watchdog = (NativeWatchdog(dump_path(Path(watchdog_dir), workerinput["workerid"]))
+                    if watchdog_dir and seconds > 0 else None)
+        config.pluginmanager.register(CaseDeadline(seconds, watchdog), "specgate-timeout")
+    else:
+        config.pluginmanager.register(ResultCollector(config), "specgate-results")
+        # in-process runs: no native watchdog, which would end the whole run
+        config.pluginmanager.register(CaseDeadline(seconds), "specgate-timeout")
+
+
+def case_timeout(config: pytest.Config) -> float:
+    chosen = config.getoption("--specgate-case-timeout")
+    if chosen is not None:
+        return float(chosen)
+    return default_seconds(config.getoption("--specgate-profile"),
+                           config.getoption("--specgate-graphs"))
+
+
+def context(config: pytest.Config) -> SuiteContext:
+    ctx = getattr(config, "_specgate_ctx", None)
+    if ctx is None:
+        name = _backend_name(config)
+        try:
+            backend = load_backend(name)
+            spec = resolve_specs(config.getoption("--specgate-spec"))[0]
+            draft = config.getoption("--specgate-draft-model")
+            if draft:
+                spec = spec.with_draft_model(draft)
+        except (BackendError, ValueError) as err:
+            raise pytest.UsageError(str(err)) from None
+        caps = backend.capabilities()
+        graphs = config.getoption("--specgate-graphs")
+        if graphs and not caps.graph_runner:
+            raise pytest.UsageError(f"--graphs: backend {name!r} does not claim graph_runner")
+        ctx = SuiteContext(name, backend, caps, spec,
+                           PROFILES[config.getoption("--specgate-profile")],
+                           config.getoption("--specgate-model"), graphs)
+        config._specgate_ctx = ctx  # type: ignore[attr-defined]
+    return ctx
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # after every plugin's pytest_configure: pytest's own unraisable-exception hook is in place
+    # by now, and keep_interrupts passes everything but a swallowed Ctrl-C on to it
+    keep_interrupts()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
+    if not (config.getoption("--specgate-backend") or os.environ.get("SPECGATE_BACKEND")
+            or config.getoption("--specgate-results")):
+        return None
+    ctx = context(config)
+    claimed = ", ".join(f"{k}={v}" for k, v in ctx.caps.as_dict().items())
+    return [f"specgate: backend {ctx.backend_name} ({ctx.backend.name} {ctx.backend.version}); "
+            f"spec {ctx.spec.name}; profile {ctx.profile.name}; graphs "
+            f"{ctx.graph_executor or 'off'}",
+            f"specgate: capabilities: {claimed}"]
+
+
+def _requirements(item: pytest.Item, spec: SpecChoice) -> list[str]:
+    needs = ([f"algorithm:{spec.algorithm}"] + (["tree"] if spec.needs_tree else [])
+             + (["overlap"] if spec.needs_overlap else []))
+    for mark in item.iter_markers("specgate_requires"):
+        needs.extend(mark.args)
+    return needs
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("specgate_tier"):
+        context(item.config)._check = item
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    suite_items = [i for i in items if i.get_closest_marker("specgate_tier")]
+    if not suite_items:
+        return
+    ctx = context(config)
+    for item in suite_items:
+        tier = item.get_closest_marker("specgate_tier").args[0]
+        needs = _requirements(item, ctx.spec)
+        missing = [n for n in needs if not ctx.caps.claims(n)]
+        item.user_properties.append(("specgate_tier", tier))
+        item.user_properties.append(("specgate_requires", ",".join(needs)))
+        if missing:
+            item.add_marker(pytest.mark.skip(reason=f"{NOT_CLAIMED}: {', '.join(missing)}"))
+
+
+@pytest.fixture(scope="session")
+def sg(request: pytest.FixtureRequest) -> SuiteContext:
+    """The suite context: backend under test, its capabilities, spec, profile, oracle.
+
+    The suite's tiny models are bound by per-op overhead, and torch's intra-op threads stall
+    badly when pytest-xdist workers share the cores: each suite process uses one thread.
+    """
+    torch.set_num_threads(1)
+    return context(request.config)
+
+
+def _outcome(report: pytest.TestReport) -> str:
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
+        return NOT_CLAIMED if reason.startswith(f"Skipped: {NOT_CLAIMED}") else "skipped"
+    return "passed" if report.passed else "failed"
+
+
+class ResultCollector:
+    """Collects one row per suite check (on the xdist controller, or the only process) and
+    applies the vacuous-run guard at the end of the session."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.rows: dict[str, dict[str, object]] = {}
+        self.properties: dict[str, dict[str, object]] = {}  # node id -> its suite properties
+        self.interrupted = False
+        self.watchdog_dir: Path | None = None  # made when xdist starts its first worker
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node: object) -> None:
+        """xdist is starting a worker: tell it where its native watchdog writes."""
+        if self.watchdog_dir is None:
+            self.watchdog_dir = Path(tempfile.mkdtemp(prefix="specgate-watchdog-"))
+        node.workerinput[WORKER_INPUT_KEY] = str(self.watchdog_dir)  # type: ignore[attr-defined]
+
+    def pytest_keyboard_interrupt(self) -> None:
+        self.interrupted = True  # the results then cover only the checks that completed
+
+    def _crashed(self, report: pytest.TestReport) -> None:
+        """xdist's report for a check whose worker died (its own phase name is not one of
+        pytest's): a row from the properties the check's set-up sent, and why it died."""
+        if tier_of(report.nodeid) not in self.known_tiers():
+            return
+        props = self.properties.get(report.nodeid, {"specgate_tier": tier_of(report.nodeid)})
+        worker = getattr(report, "node", None)
+        worker_id = getattr(getattr(worker, "gateway", None), "id", "?")
+        seconds = case_timeout(self.config)
+        message = crash_message(self.watchdog_dir, worker_id, seconds, native_grace(seconds))
+        self._store(report, props, "failed", message)
+
+    @staticmethod
+    def known_tiers() -> set[str]:
+        from conformance.run.suite import suite_dir
+        return {tier_of(p.name) for p in suite_dir().glob("test_*.py")}
+
+    def _store(self, report: pytest.TestReport, props: dict[str, object], outcome: str,
+               message: str) -> None:
+        previous = self.rows.get(report.nodeid)
+        if previous is not None and previous["outcome"] == "failed":
+            return  # a teardown after a failure must not hide the failure
+        self.rows[report.nodeid] = {
+            "nodeid": report.nodeid, "tier": props["specgate_tier"],
+            "requires": props.get("specgate_requires", ""), "outcome": outcome,
+            "duration": round(report.duration, 3), "message": message,
+            "figures": {k: v for k, v in props.items() if not k.startswith("specgate_")}}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when not in ("setup", "call", "teardown"):
+            if report.failed:
+                self._crashed(report)
+            return
+        props = dict(report.user_properties)
+        if "specgate_tier" not in props:
+            return
+        self.properties[report.nodeid] = props
+        final = report.when == "call" or (report.when == "setup" and not report.passed) or (
+            report.when == "teardown" and report.failed)
+        if not final:
+            return
+        message = ""
+        crash = getattr(report.longrepr, "reprcrash", None)
+        if report.failed and crash is not None:
+            message = crash.message[:800]
+        elif report.failed:
+            message = report.longreprtext.strip()[-800:]
+        elif report.skipped and isinstance(report.longrepr, tuple):
+            message = report.longrepr[2]
+        self._store(report, props, _outcome(report), message)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.watchdog_dir is not None:
+            shutil.rmtree(self.watchdog_dir, ignore_errors=True)
+        results_path = self.config.getoption("--specgate-results")
+        rows = list(self.rows.values())
+        vacuous = None
+        outcomes = {r["outcome"] for r in rows}
+        if self.interrupted:
+            pass  # an incomplete run is reported as such, not as vacuous
+        elif rows and not outcomes & {"passed", "failed"}:
+            vacuous = f"all {len(rows)} checks were skipped or not claimed"
+        elif not rows and results_path:
+            vacuous = "zero checks collected"
+        if vacuous:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(f"specgate: vacuous run refused: {vacuous}", red=True)
+        if results_path:
+            ctx = context(self.config)
+            Path(results_path).write_text(json.dumps({
+                "backend": {"name": ctx.backend.name, "version": ctx.backend.version,
+                            "resolved_from": ctx.backend_name},
+                "capabilities": ctx.caps.as_dict(), "spec": ctx.spec.name,
+                "unclaimed_reasons": unclaimed_reasons(ctx.backend),
+                "configurations": [config_record(c) for c in ctx.spec.configs],
+                # Capabilities.precision, where the backend's adapter has it
+                "precision": str(getattr(ctx.caps, "precision", "float32")),
+                "case_timeout": case_timeout(self.config),
+                "profile": ctx.profile.name, "graphs": ctx.graph_executor, "vacuous": vacuous,
+                "interrupted": self.interrupted, "checks": rows,
+            }, indent=1))

@@ -1,0 +1,23 @@
+"""The suite's profiles: how much of each tier runs (``--specgate-profile``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How much of each tier runs: ``gate`` for every CI run, ``full`` for certification."""
+
+    name: str
+    prompt_set: str
+    max_new_tokens: int
+    # Context lengths that long requests cross (engines size buffers so); one at or past the
+    # model's context limit becomes a request that ends there.
+    context_boundaries: tuple[int, ...]
+
+
+PROFILES = {
+    "gate": Profile("gate", "small", 32, (512,)),
+    "full": Profile("full", "default", 64, (512, 1024, 2048)),
+}

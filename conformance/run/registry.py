@@ -1,0 +1,83 @@
+"""Resolve a backend named on the command line: ``module:factory``, an entry-point name (group
+``specgate.backends``) or ``mutant:<name>`` (the bug zoo: class mutants and source-patch
+mutants). Problems raise ``BackendError`` with one line naming them."""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+
+from conformance.contract import Backend, unclaimed_reasons
+
+ENTRY_POINT_GROUP = "specgate.backends"
+BUILTIN = {  # so a checkout works before `pip install -e .` registers the entry points
+    "refengine": "conformance.backends.refengine:backend",
+    "hf": "conformance.backends.hf:backend",
+    "ctranslate2": "conformance.backends.ctranslate2.backend:backend",
+}
+# bundled backends whose libraries are an optional extra of specgate
+EXTRAS = {"hf": "hf", "ctranslate2": "ctranslate2"}
+
+
+class BackendError(ValueError):
+    """The backend could not be found, imported or constructed."""
+
+
+def known_backends() -> list[str]:
+    names = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return sorted(names | BUILTIN.keys())
+
+
+def _target(spec: str) -> str:
+    if ":" in spec:
+        return spec
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == spec:
+            return ep.value
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    raise BackendError(f"unknown backend {spec!r} (known: {', '.join(known_backends())}; "
+                       "or give module:factory)")
+
+
+def _load_mutant(name: str, launcher: bool) -> Backend:
+    from conformance.backends.mutants import MUTANTS, mutant_backend
+    from conformance.backends.mutants.source_patches import SOURCE_MUTANTS, source_mutant_backend
+
+    try:
+        if name in SOURCE_MUTANTS:
+            return source_mutant_backend(name, launcher)
+        if name not in MUTANTS:
+            raise ValueError(f"unknown mutant {name!r} (known: "
+                             f"{', '.join([*MUTANTS, *SOURCE_MUTANTS])})")
+        return mutant_backend(name)
+    except ValueError as err:
+        raise BackendError(str(err)) from None
+
+
+def load_backend(spec: str, launcher: bool = False) -> Backend:
+    """``launcher``: the caller only checks the backend and runs the suite through
+    ``conformance.run.suite`` (which starts the process a source mutant needs)."""
+    if spec.startswith("mutant:"):
+        return _load_mutant(spec.split(":", 1)[1], launcher)
+    target = _target(spec)
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        hint = (f"; install it with: pip install 'specgate[{EXTRAS[spec]}]'" if spec in EXTRAS
+                else "")
+        raise BackendError(f"backend {spec!r}: cannot import {module_name!r} ({err}){hint}"
+                           ) from None
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise BackendError(f"backend {spec!r}: module {module_name!r} has no {attr!r}")
+    backend = factory() if callable(factory) and not isinstance(factory, Backend) else factory
+    if not isinstance(backend, Backend):
+        raise BackendError(f"backend {spec!r}: {target} did not give a Backend (needs name, "
+                           "version, capabilities(), open())")
+    try:
+        unclaimed_reasons(backend)
+    except ValueError as err:
+        raise BackendError(f"backend {spec!r}: {err}") from None
+    return backend
