@@ -26,6 +26,7 @@ from refengine.data import resolve_model_dir
 from refengine.events import Event, FinishEvent, RetractEvent
 from refengine.graph.runner import GraphRunner
 from refengine.memory.manager import KVManager
+from refengine.memory.reservation import PLAIN_DECODE
 from refengine.memory.sessions import SessionStore
 from refengine.memory.view import MemoryView, ceil_page
 from refengine.model.eagle import EagleDraftModel
@@ -121,11 +122,10 @@ class Engine:
         if spec is not None:
             self.worker = self.worker_classes[spec.algorithm, spec.overlap](
                 spec, self.runner, self.kv, self.clock)
-        self.lookahead = 1 if self.worker is None else self.worker.lookahead
+        self.reservation = PLAIN_DECODE if self.worker is None else self.worker.reservation
         self.scheduler = self.scheduler_class(
             self.kv, config.max_running_requests, config.max_prefill_tokens,
-            config.retract_every, (lambda req: 1) if self.worker is None
-            else self.worker.decode_need)
+            config.retract_every, self.reservation)
         self._live: dict[str, Req] = {}
         self.sessions = SessionStore(self.kv)
         self.output = self.output_class(self.kv, self.scheduler, self.worker, self.sessions,
@@ -173,7 +173,7 @@ class Engine:
             raise ValueError(f"prompt: {len(ids)} tokens exceed the context length "
                              f"{self.max_context_len} (room for at least one new token needed)")
         need = ceil_page(min(len(ids) + params.max_new_tokens, self.max_context_len)
-                         + self.lookahead, self.kv.page_size)
+                         + self.reservation.reach, self.kv.page_size)
         if need > self.kv.capacity:
             raise ValueError(f"kv_pool_tokens: request {rid!r} needs up to {need} KV slots "
                              f"(prompt {len(ids)} + max_new_tokens {params.max_new_tokens}) but "
@@ -206,11 +206,8 @@ class Engine:
         launched = None
         with self.clock.timed("schedule"):
             batch = self.scheduler.schedule()
-            claimed: list[Req] = []
-            if (batch is not None and batch.mode == "decode" and batch.reqs
-                    and self.worker is not None):
-                claimed = self.worker.prepare_for_decode(batch.reqs)
-            self.output.claimed = set(claimed)  # until this step is resolved
+            # until this step is resolved
+            self.output.claimed = set() if batch is None else set(batch.claimed)
         running: Future[StepResult] | None = None
         if batch is not None:
             for r in batch.retracted:
@@ -318,12 +315,9 @@ class Engine:
         return); logits after the last position only, or after every one."""
         ids = self.tokenize(prompt)
         req = Req("__score__", ids, SamplingParams(max_new_tokens=1), 0, -1)
-        if not self.kv.assign_row(req):
-            raise RuntimeError("next_token_logits: no free request row")
-        try:
-            return self.runner.forward(self.runner.prepare_score(req, ids, last_only)).logits
-        finally:
-            self.kv.release(req)
+        with self.scheduler.scoring(req, len(ids)) as slots:
+            return self.runner.forward(
+                self.runner.prepare_score(req, ids, slots, last_only)).logits
 
     def memory(self) -> MemoryView:
         held, rows_held = self.sessions.held()

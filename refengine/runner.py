@@ -49,10 +49,11 @@ class ModelRunner:
     def prepare_extend(self, reqs: list[Req], lens: list[int], ids: list[int],
                        sample_at: list[int]) -> ForwardBatch:
         """A prefill chunk or a plain decode step: request i runs its next ``lens[i]`` tokens
-        (its slice of ``ids``) from its committed end; logits are wanted at the flat rows
-        ``sample_at``."""
+        (its slice of ``ids``) from its committed end, into the slots the scheduler allocated
+        for them; logits are wanted at the flat rows ``sample_at``."""
         starts = [r.kv_committed_len for r in reqs]
-        slots = [self.kv.extend(r, n) for r, n in zip(reqs, lens, strict=True)]
+        slots = [self.kv.position_slots(r, s, n) for r, s, n in zip(reqs, starts, lens,
+                                                                     strict=True)]
         return ForwardBatch(
             input_ids=torch.tensor(ids),
             positions=torch.cat([torch.arange(s, s + n)
@@ -62,10 +63,11 @@ class ModelRunner:
                                               [s + n for s, n in zip(starts, lens, strict=True)]),
             logits_index=torch.tensor(sample_at, dtype=torch.int64))
 
-    def prepare_score(self, req: Req, ids: list[int], last_only: bool) -> ForwardBatch:
-        """A whole prompt for a request that holds a row and nothing else (scoring)."""
+    def prepare_score(self, req: Req, ids: list[int], slots: torch.Tensor, last_only: bool
+                      ) -> ForwardBatch:
+        """A whole prompt into ``slots`` for a request that holds nothing else (scoring)."""
         n = len(ids)
-        return ForwardBatch(torch.tensor(ids), torch.arange(n), self.kv.extend(req, n),
+        return ForwardBatch(torch.tensor(ids), torch.arange(n), slots,
                             self.attention_metadata(self._rows([req]), [n], [n]),
                             torch.tensor([n - 1]) if last_only else None)
 

@@ -142,14 +142,16 @@ def test_generation_up_to_the_context_limit(spec_pair: tuple[Path, Path]) -> Non
     assert idle_error(e.memory()) is None
 
 
-def test_draft_refuses_kv_held_past_the_committed_end(spec_pair: tuple[Path, Path]) -> None:
-    """Draft scratch KV goes just past each request's allocation, which must be the committed
-    end; a slot held past it would put the root's draft KV at the wrong positions."""
+def test_draft_refuses_a_request_without_its_reservation(spec_pair: tuple[Path, Path]) -> None:
+    """Draft scratch and the verify block are the slots the scheduler reserved past each root;
+    a request drafted without that reservation (here: one stray slot past the committed end,
+    less than the step's scratch) is refused, never given slots it does not hold."""
     e = engine(spec_pair, "chain-s3-n4")
     e.add_request("a", PROMPTS[0], GREEDY)
     e.step()  # prefill: allocated == committed, a draft input is installed
     (req,) = e._live.values()
     assert e.worker is not None
+    assert req.kv_allocated_len == req.kv_committed_len  # V1 holds nothing between steps
     e.kv.extend(req, 1)  # one stray slot past the committed end
-    with pytest.raises(RuntimeError, match=r"\['a'\] hold KV past their committed end"):
+    with pytest.raises(RuntimeError, match=r"\['a'\] have no reservation for 2 positions"):
         e.worker.draft([req], e.worker.draft_state.aligned(["a"]))

@@ -37,7 +37,6 @@ from refengine.request import Req
 from refengine.speculative.draft_search import chain_search
 from refengine.speculative.eagle_v1 import EagleV1Worker
 from refengine.speculative.inputs import CatchUpInput, DraftExtendInput, DraftInput, SeedInput
-from refengine.step import StepResult
 
 
 class DraftModelWorker(EagleV1Worker):
@@ -56,15 +55,6 @@ class DraftModelWorker(EagleV1Worker):
         self.draft_state.add(done, CatchUpInput(
             torch.tensor([sampled[rid] for rid in done], dtype=torch.int64),
             torch.zeros(len(done), dtype=torch.int64)))
-
-    def launch(self, reqs: list[Req]) -> StepResult:
-        """The verify block first: the draft writes its KV into it."""
-        for req in reqs:
-            self.kv.extend(req, self.spec.num_draft_tokens)
-        return super().launch(reqs)
-
-    def verify_slots(self, reqs: list[Req]) -> torch.Tensor:
-        return self.kv.block_slots(reqs, self.roots(reqs), self.spec.num_draft_tokens)
 
     def root_tokens(self, din: DraftInput | CatchUpInput) -> torch.Tensor:  # type: ignore[override]
         return din.verified_id

@@ -36,6 +36,7 @@ from refengine.clock import PhaseClock
 from refengine.config import SpecConfig
 from refengine.kernels.tree_reference import build_tree_reference, select_candidates
 from refengine.memory.manager import KVManager
+from refengine.memory.reservation import DecodeReservation
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
 from refengine.runner import ModelRunner
@@ -111,17 +112,14 @@ class EagleV1Worker:
         self.draft_state = self.draft_state_class(self.idle_input())
 
     @property
-    def lookahead(self) -> int:
-        """KV positions past a request's sequence a decode step may hold: the verify block or
-        the draft scratch, whichever is larger."""
+    def reach(self) -> int:
+        """KV positions past a request's committed end a decode step writes: the verify block
+        or the draft scratch, whichever is longer."""
         return max(self.spec.num_draft_tokens, self.spec.topk * (self.spec.num_steps - 1))
 
-    def decode_need(self, req: Req) -> int:
-        return self.lookahead  # V1 allocates while it runs, from what the request holds
-
-    def prepare_for_decode(self, reqs: list[Req]) -> list[Req]:
-        """Nothing to reserve ahead: drafting and verify allocate as they go."""
-        return []
+    @property
+    def reservation(self) -> DecodeReservation:
+        return DecodeReservation(self.reach)
 
     @property
     def reserve_bound(self) -> int:
@@ -134,26 +132,29 @@ class EagleV1Worker:
 
     @contextmanager
     def drafting_from_committed_end(self, reqs: list[Req]) -> Iterator[None]:
-        """Lets ``reqs`` (committed, in no step) draft one step from their committed end, as
-        if just scheduled for decode: what the graph probe runs a draft kind on. V1 drafts
-        from the committed end anyway and allocates as it goes, so nothing to set up."""
+        """Lets ``reqs`` (committed, in no step, reserved by the caller) draft one step from
+        their committed end, as if just scheduled for decode: what the graph probe runs a
+        draft kind on. V1 drafts from the committed end anyway: nothing to set up."""
         yield
 
-    @contextmanager
-    def scratch(self, reqs: list[Req], tokens: int) -> Iterator[torch.Tensor]:
-        """Draft KV slots for ``tokens`` positions past each root, ``[len(reqs), tokens]``:
-        taken from the allocator for the duration of drafting and given back after."""
-        # They sit just past each allocation, which must be the committed end (the root's
-        # position): commit and prefill leave nothing past it.
-        stray = [r.rid for r in reqs if r.kv_allocated_len != r.kv_committed_len]
-        if stray:
-            raise RuntimeError(f"requests {stray} hold KV past their committed end at draft")
-        with self.kv.scratch(reqs, tokens) as slots:
-            yield slots
+    def reserved(self, reqs: list[Req], tokens: int) -> torch.Tensor:
+        """``[len(reqs), tokens]`` reserved slots from each root on (the scheduler reserved
+        them: the draft scratch and the verify block)."""
+        roots = self.roots(reqs)
+        short = [r.rid for r, s in zip(reqs, roots, strict=True)
+                 if s + tokens > r.kv_allocated_len]
+        if short:
+            raise RuntimeError(f"requests {short} have no reservation for {tokens} positions "
+                               "past their root")
+        return self.kv.block_slots(reqs, roots, tokens)
+
+    def scratch_slots(self, reqs: list[Req], tokens: int) -> torch.Tensor:
+        """Draft KV slots for ``tokens`` positions past each root, ``[len(reqs), tokens]``."""
+        return self.reserved(reqs, tokens)
 
     def verify_slots(self, reqs: list[Req]) -> torch.Tensor:
-        """``[len(reqs), N]`` slots for the verify block, allocated past each root."""
-        return torch.stack([self.kv.extend(r, self.spec.num_draft_tokens) for r in reqs])
+        """``[len(reqs), N]`` slots for the verify block, past each root."""
+        return self.reserved(reqs, self.spec.num_draft_tokens)
 
     @property
     def hidden_size(self) -> int:
@@ -245,12 +246,11 @@ class EagleV1Worker:
         if loop is None:
             return None
         k, steps = self.spec.topk, self.spec.num_steps
-        with self.scratch(reqs, k * (steps - 1)) as slots:
-            return loop.run({"topk_p": din.topk_p, "topk_index": din.topk_index,
-                             "hidden": din.hidden_states,
-                             "rows": torch.tensor([r.row for r in reqs], dtype=torch.int64),
-                             "roots": torch.tensor(self.roots(reqs), dtype=torch.int64),
-                             "scratch": slots})
+        return loop.run({"topk_p": din.topk_p, "topk_index": din.topk_index,
+                         "hidden": din.hidden_states,
+                         "rows": torch.tensor([r.row for r in reqs], dtype=torch.int64),
+                         "roots": torch.tensor(self.roots(reqs), dtype=torch.int64),
+                         "scratch": self.scratch_slots(reqs, k * (steps - 1))})
 
     def eager_search(self, reqs: list[Req], din: DraftInput) -> LoopOutput:
         """``topk == 1``: the beam is a single path, so the tree is the chain itself
@@ -284,17 +284,18 @@ class EagleV1Worker:
         scratch entries of their ancestors."""
         steps = self.spec.num_steps
         seq = torch.tensor(self.roots(reqs))
-        with self.scratch(reqs, width * (steps - 1)) as slots:
-            def forward(i: int, tokens: torch.Tensor, features: torch.Tensor,
-                        node_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-                positions = (seq[:, None] + (i - 1)).expand(len(reqs), width).reshape(-1)
-                masks = (None if node_mask is None
-                         else [node_mask[r, :, :i * width] for r in range(len(reqs))])
-                fb = self.runner.prepare_draft_step(
-                    reqs, tokens, positions, slots[:, (i - 1) * width:i * width].reshape(-1),
-                    width, (seq + i * width).tolist(), masks)
-                return self.runner.forward_draft(fb, features)
-            yield forward
+        slots = self.scratch_slots(reqs, width * (steps - 1))
+
+        def forward(i: int, tokens: torch.Tensor, features: torch.Tensor,
+                    node_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            positions = (seq[:, None] + (i - 1)).expand(len(reqs), width).reshape(-1)
+            masks = (None if node_mask is None
+                     else [node_mask[r, :, :i * width] for r in range(len(reqs))])
+            fb = self.runner.prepare_draft_step(
+                reqs, tokens, positions, slots[:, (i - 1) * width:i * width].reshape(-1),
+                width, (seq + i * width).tolist(), masks)
+            return self.runner.forward_draft(fb, features)
+        yield forward
 
     # --- verify -----------------------------------------------------------------------------
 

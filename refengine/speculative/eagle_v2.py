@@ -34,6 +34,7 @@ import torch
 from refengine.clock import PhaseClock
 from refengine.config import SpecConfig
 from refengine.memory.manager import KVManager
+from refengine.memory.reservation import DecodeReservation
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
 from refengine.runner import ModelRunner
@@ -54,16 +55,9 @@ class EagleV2Worker(EagleV1Worker):
         self.seq: dict[str, int] = {}  # rid -> root position after the last launched step
 
     @property
-    def lookahead(self) -> int:
-        return 1 + self.reserve_tokens
-
-    def decode_need(self, req: Req) -> int:
-        return self.kv.reserve_need(req, self.reserve_tokens)
-
-    def prepare_for_decode(self, reqs: list[Req]) -> list[Req]:
-        for req in reqs:
-            self.kv.reserve_for_decode(req, self.reserve_tokens)
-        return list(reqs)
+    def reservation(self) -> DecodeReservation:
+        return DecodeReservation(1 + self.reserve_tokens, page_aligned=True,
+                                 preclaim_root=True)
 
     @property
     def reserve_bound(self) -> int:
@@ -90,36 +84,15 @@ class EagleV2Worker(EagleV1Worker):
 
     @contextmanager
     def drafting_from_committed_end(self, reqs: list[Req]) -> Iterator[None]:
-        """V2 drafts over a decode reservation, from the root of the last launched step: give
-        ``reqs`` both (reserved as ``prepare_for_decode`` does, rooted at the committed end),
-        then forget the roots and undo the root's pre-claim. The reservation stays; the
-        caller truncates it."""
-        roots = {req.rid: req.kv_committed_len for req in reqs}
-        self.prepare_for_decode(reqs)
-        self.seq.update(roots)
+        """V2 drafts from the root of the last launched step: root ``reqs`` at their committed
+        end (enter this before the caller reserves them, ``KVManager.reserved``), then forget
+        the roots."""
+        self.seq.update({req.rid: req.kv_committed_len for req in reqs})
         try:
             yield
         finally:
             for req in reqs:
                 self.seq.pop(req.rid, None)
-                self.kv.unclaim(req)
-
-    def _reserved(self, reqs: list[Req], tokens: int) -> torch.Tensor:
-        """``[len(reqs), tokens]`` reserved slots from each root on."""
-        roots = self.roots(reqs)
-        short = [r.rid for r, s in zip(reqs, roots, strict=True)
-                 if s + tokens > r.kv_allocated_len]
-        if short:
-            raise RuntimeError(f"requests {short} have no reservation for {tokens} positions "
-                               "past their root: prepare_for_decode did not run")
-        return self.kv.block_slots(reqs, roots, tokens)
-
-    @contextmanager
-    def scratch(self, reqs: list[Req], tokens: int) -> Iterator[torch.Tensor]:
-        yield self._reserved(reqs, tokens)  # draft KV over the reservation: nothing to undo
-
-    def verify_slots(self, reqs: list[Req]) -> torch.Tensor:
-        return self._reserved(reqs, self.spec.num_draft_tokens)
 
     def _done_before_launch(self, req: Req) -> bool:
         """The unresolved step already took ``req`` to its length limit: it finishes when that

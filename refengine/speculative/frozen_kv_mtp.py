@@ -45,7 +45,7 @@ class FrozenKVMTPWorker(EagleV1Worker):
     # The current decode step's batch: built once in ``draft`` and shared by all its forwards.
     _step_batch: ForwardBatch
     @property
-    def lookahead(self) -> int:
+    def reach(self) -> int:
         return self.spec.num_draft_tokens  # the verify block; drafting takes no slots
 
     def idle_input(self) -> SeedInput:  # type: ignore[override]

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from refengine.memory.reservation import DecodeReservation
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
 from refengine.step import StepResult
@@ -21,17 +22,9 @@ from refengine.step import StepResult
 
 class SpecWorker(Protocol):
     @property
-    def lookahead(self) -> int:
-        """KV positions past its sequence a request may need during a decode step."""
-
-    def decode_need(self, req: Req) -> int:
-        """KV positions past its allocation ``req`` needs for the next decode step (the
-        scheduler retracts until every decoding request can have them)."""
-
-    def prepare_for_decode(self, reqs: list[Req]) -> list[Req]:
-        """Schedule-side allocation for a decode batch about to launch (overlap scheduling
-        reserves here, so the launched step never allocates). Returns the requests whose root
-        slot it pre-claimed (committed ahead of the step's resolution)."""
+    def reservation(self) -> DecodeReservation:
+        """The KV a decode step holds past each request's committed end (the scheduler
+        reserves it before launch)."""
 
     @property
     def reserve_bound(self) -> int:

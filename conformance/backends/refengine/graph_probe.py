@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -114,6 +114,8 @@ def decode_batch(probe: RefGraphProbe, runner: Batcher, reqs: list[Req], seed: i
     """One new token per request at its committed end."""
     vocab = probe.vocab_size
     ids = [(7 * r.kv_committed_len + 11 + 13 * seed) % (vocab - 1) + 1 for r in reqs]
+    for r in reqs:
+        probe.kv.extend(r, 1)  # what the scheduler allocates for a decode step
     return runner.prepare_extend(reqs, [1] * len(reqs), ids, list(range(len(reqs))))
 
 
@@ -227,8 +229,8 @@ class DraftLoopKind:
         din = self.inputs(probe, reqs, seed)
         targets = torch.empty((0,), dtype=torch.int64)
         if self.writes_kv:  # the scratch slots drafting will take (handed back right away)
-            with worker.scratch(reqs, loop.topk * (loop.steps - 1)) as slots:
-                targets = slots.reshape(-1).clone()
+            slots = worker.scratch_slots(reqs, loop.topk * (loop.steps - 1))
+            targets = slots.reshape(-1).clone()
         if mode == "eager":
             return Prepared(lambda: loop_outputs(worker.eager_search(reqs, din)), targets,
                             len(reqs))
@@ -498,7 +500,10 @@ class RefGraphProbe:
         """A draft kind's requests as the worker drafts them (a V2 worker: reserved and
         rooted); left before ``requests`` rolls their allocations back."""
         if isinstance(kind, (DraftLoopKind, DraftExtendKind)) and self.worker is not None:
-            return self.worker.drafting_from_committed_end(reqs)
+            stack = ExitStack()
+            stack.enter_context(self.worker.drafting_from_committed_end(reqs))
+            stack.enter_context(self.kv.reserved(reqs, self.worker.reservation))
+            return stack
         return nullcontext()
 
     @contextmanager
@@ -546,6 +551,8 @@ class RefGraphProbe:
         lens = [len(r.prompt_ids) for r in reqs]
         ids = [t for r in reqs for t in r.prompt_ids]
         ends = [sum(lens[:i + 1]) - 1 for i in range(len(lens))]
+        for r, n in zip(reqs, lens, strict=True):
+            self.kv.extend(r, n)
         self.runner.forward(self.runner.prepare_extend(reqs, lens, ids, ends))
         for r, n in zip(reqs, lens, strict=True):
             self.kv.commit(r, n)
