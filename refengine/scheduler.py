@@ -3,7 +3,7 @@
 Policy (sglang's, simplified):
 - prefill first: a chunked prefill in progress continues; otherwise waiting requests are
   admitted in queue order while rows, ``max_running_requests``, the per-step token budget and
-  free KV (keeping each decoding request's next-step need as head-room) allow. A prompt
+  free KV (keeping the pages each decoding request's next reservation needs) allow. A prompt
   larger than the budget is prefilled in chunks, one chunked request at a time;
 - otherwise every decoding request advances; a decode step holds a ``DecodeReservation``
   past each request's committed end (1 slot plain; under speculation the verify block or the
@@ -78,7 +78,7 @@ class Scheduler:
         reqs: list[Req] = []
         lens: list[int] = []
         # Pages the decoding requests' next reservations need: prefill leaves them free.
-        head_room = sum(self.kv.pages_needed(r, self.kv.top_up(r, self.reservation))
+        top_up_pages = sum(self.kv.pages_needed(r, self.kv.top_up(r, self.reservation))
                         for r in self.running if r.status is ReqStatus.DECODE)
         chunked = [r for r in self.running if r.status is ReqStatus.PREFILL]
         candidates = chunked + list(self.waiting)
@@ -89,7 +89,7 @@ class Scheduler:
             if fresh and len(self.running) + len(reqs) >= self.max_running_requests:
                 break
             pages = self.kv.pages_needed(req, take)
-            if pages + head_room > self.kv.allocator.free_page_count:
+            if pages + top_up_pages > self.kv.allocator.free_page_count:
                 break
             # A session turn may hold its row already (the inherited prefix)
             if fresh and req.row is None and not self.kv.assign_row(req):

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import SPEC_GREEDY, SPEC_PROMPTS, SPEC_SHAPES, spec_engine
+from engine_helpers import SPEC_GREEDY, SPEC_PROMPTS, SPEC_SHAPES, has_work, spec_engine
 
 from refengine import SamplingParams
 from refengine.memory.view import idle_error
 from refengine.request import Req
 from refengine.speculative.draft_search import beam_search, chain_search
+from refengine.speculative.eagle import EagleDrafter
 from refengine.speculative.inputs import DraftInput, VerifyInput
 
 PROMPTS, CONFIGS, GREEDY = SPEC_PROMPTS, SPEC_SHAPES, SPEC_GREEDY
@@ -45,23 +46,25 @@ def test_lossless_and_accounted(spec_pair: tuple[Path, Path], plain_outputs: lis
 def test_chain_draft_equals_tree_draft_with_topk_1(spec_pair: tuple[Path, Path],
                                                     page_size: int) -> None:
     """The chain fast path is the tree path specialised to ``topk == 1``: on every decode step
-    of a mixed-length batch both give the same VerifyInput, field for field, and leave the pool
-    as they found it."""
+    of a mixed-length batch both give the same VerifyInput, field for field, and allocate
+    nothing (they draft into the step's reservation)."""
     e = engine(spec_pair, "chain-s3-n4", page_size=page_size)
     worker = e.worker
     assert worker is not None
     batch_sizes: list[int] = []
 
+    drafter = worker.drafter
+    assert isinstance(drafter, EagleDrafter)
+
     def both(reqs: list[Req], din: DraftInput) -> torch.Tensor:
         free = e.kv.allocator.free_slots
-        with worker.draft_forwards(reqs, 1) as forward:
-            chain = chain_search(din.topk_index, din.hidden_states, worker.spec.num_steps,
-                                 forward)
-        with worker.draft_forwards(reqs, 1) as forward:
-            beam = beam_search(din.topk_p, din.topk_index, din.hidden_states,
-                               worker.spec.num_steps, forward)
+        step = worker.draft_step(reqs)
+        chain = chain_search(din.topk_index, din.hidden_states, worker.spec.num_steps,
+                             drafter.forwards(step, 1))
+        beam = beam_search(din.topk_p, din.topk_index, din.hidden_states,
+                           worker.spec.num_steps, drafter.forwards(step, 1))
         assert e.kv.allocator.free_slots == free
-        roots = worker.root_tokens(din)
+        roots = drafter.root_tokens(din)
         chain_input = worker.to_verify_input(reqs, roots, chain)
         tree_input = worker.to_verify_input(reqs, roots, beam)
         for f in fields(VerifyInput):
@@ -94,7 +97,7 @@ def test_forced_retraction_and_aborts(spec_pair: tuple[Path, Path],
     outputs: dict[str, list[int]] = {}
     retracted = 0
     steps = 0
-    while e.has_work():
+    while has_work(e):
         steps += 1
         if steps == 4:
             e.abort("r2")

@@ -4,8 +4,11 @@ A request's positions ``0 .. allocated-1`` map to slots through its row in ``req
 slots come in whole pages, so a request owns ``ceil_page(allocated)`` slots.
 
 The manager is the only code that changes ``kv_allocated_len`` and ``kv_committed_len``, and
-the only code that moves KV between slots (``commit_path``); the models write the KV of the
-tokens they run, at the slots the runner hands them. Invariant kept here, between steps:
+the only code that moves KV between slots (``move_path``, ``commit_path``); the models write the
+KV of the tokens they run, at the slots the runner hands them. Its bookkeeping mutators are
+called from the schedule phase (``Scheduler``: allocation, reservation, retraction) and the
+resolve phase (``OutputProcessor``, sessions: commit and release) only
+(``tests/test_kv_writer_rule.py``). Invariant kept here, between steps:
 ``kv_committed_len <= kv_allocated_len``.
 """
 

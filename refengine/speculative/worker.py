@@ -1,11 +1,13 @@
 """SpecWorker: what the engine needs from a speculative algorithm, and nothing more.
 
-The engine schedules, launches and resolves; a worker owns everything specific to its
-algorithm: its draft state between steps (which follows the batch through finish, abort and
-retraction), how many KV slots a decode step needs per request, what it does after a target
-prefill, and the decode step itself. It runs forwards only through the ``ModelRunner`` and
-never writes request KV bookkeeping: ``OutputProcessor.resolve`` commits through the
-``KVManager``.
+The engine schedules, launches and resolves; a worker owns everything specific to speculative
+decoding: its draft state between steps (which follows the batch through finish, abort and
+retraction), the KV a decode step holds past each request's committed end (the scheduler
+reserves it), what it does after a target prefill, and the decode step itself. It runs
+forwards only through the ``ModelRunner``, writes KV tensors only into slots it was given and
+never writes request or KV bookkeeping: ``Scheduler`` allocates, ``OutputProcessor.resolve``
+commits (``tests/test_kv_writer_rule.py``). The reference implementation is
+``speculative/core.py``.
 """
 
 from __future__ import annotations

@@ -42,8 +42,8 @@ from refengine.memory.allocator import AllocatorState
 from refengine.model.llama import ForwardBatch, ForwardOutput
 from refengine.request import Req
 from refengine.runner import ModelRunner
+from refengine.speculative.core import SpeculativeWorker
 from refengine.speculative.draft_search import Candidates, LoopOutput
-from refengine.speculative.eagle_v1 import EagleV1Worker
 from refengine.speculative.inputs import DraftExtendInput, DraftInput, SeedInput, VerifyInput
 
 if TYPE_CHECKING:
@@ -366,7 +366,7 @@ class RefGraphProbe:
 
     def __init__(self, runner: ModelRunner, graphs: Mapping[str, GraphRunner] | None = None,
                  make_graph: Callable[[], GraphRunner] | None = None,
-                 tolerance: float = REPLAY_TOLERANCE, worker: EagleV1Worker | None = None
+                 tolerance: float = REPLAY_TOLERANCE, worker: SpeculativeWorker | None = None
                  ) -> None:
         self.runner = runner
         self.worker = worker  # a speculative engine's worker: its draft loop is a kind too
@@ -412,7 +412,7 @@ class RefGraphProbe:
         worker = engine.worker
         return cls(runner, graphs, make,
                    REPLAY_TOLERANCE if executor == "replay" else COMPILED_TOLERANCE,
-                   worker if isinstance(worker, EagleV1Worker) else None)
+                   worker if isinstance(worker, SpeculativeWorker) else None)
 
     # --- the protocol -------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from refengine.speculative.eagle_v1 import VerifyOutcome
+from refengine.speculative.accept import VerifyOutcome
 
 
 @dataclass(frozen=True)
