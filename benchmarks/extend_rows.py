@@ -3,9 +3,10 @@
     python benchmarks/extend_rows.py [--prompts 16] [--rounds 2] [--max-new-tokens 128]
 
 One engine (chain S3/N4, batch 1); the two variants take turns prompt by prompt, and each
-``EagleV1Worker.draft_extend`` call is timed. The "all rows" variant runs the head's decoder
-layer with no ``keep`` and selects the wanted rows afterwards. Outputs must be identical
-(they are greedy and the draft only proposes); the script stops otherwise.
+``SpeculativeWorker.draft_extend`` call is timed. The "all rows" variant runs the head's decoder
+layer with no ``keep`` and selects the wanted rows afterwards, which is what the head did
+before it took ``keep``. Outputs must be identical (they are greedy and the draft only
+proposes); the script stops otherwise.
 """
 
 from __future__ import annotations

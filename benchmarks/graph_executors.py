@@ -60,6 +60,7 @@ def build(context: int) -> tuple[ModelRunner, list[Req]]:
         ids = torch.randint(1, cfg.vocab_size, (context,), generator=gen).tolist()
         req = Req(f"r{i}", ids, SamplingParams(), 0, i)
         assert kv.assign_row(req)
+        kv.extend(req, context)
         runner.forward(runner.prepare_extend([req], [context], ids, [context - 1]))
         kv.commit(req, context)
         reqs.append(req)
@@ -69,6 +70,8 @@ def build(context: int) -> tuple[ModelRunner, list[Req]]:
 def make_batch(graph: GraphRunner, kind: str, reqs: list[Req]) -> ForwardBatch:
     b = len(reqs)
     if kind == "decode":
+        for r in reqs:
+            graph.kv.extend(r, 1)
         return graph.prepare_extend(reqs, [1] * b, [7] * b, list(range(b)))
     start = torch.tensor([r.kv_committed_len for r in reqs])
     minus = torch.full((b, VERIFY_N), -1, dtype=torch.int64)

@@ -1,30 +1,36 @@
 """Engine: the public API (add_request / step / abort / generate / memory) over five parts:
-the ``Scheduler`` (who runs), the ``KVManager`` (KV bookkeeping), the ``ModelRunner`` (every
-forward), an optional ``SpecWorker`` (a speculative algorithm) and the ``OutputProcessor``
-(tokens, finish, commit).
+the ``Scheduler`` (who runs, and the KV they get), the ``KVManager`` (KV bookkeeping), the
+``ModelRunner`` (every forward), an optional speculative worker (``SpeculativeWorker``: the
+verify core and an algorithm's drafter) and the ``OutputProcessor`` (tokens, finish, commit).
 
-A step is schedule -> launch -> resolve. Launch runs forwards and changes no request state;
-resolve applies the result. Variants (the bug zoo) replace a component class, never a method
-of the engine.
+A step is schedule -> launch -> resolve. Schedule picks the batch and allocates every KV slot
+the step writes; launch runs the forwards, reading request and KV bookkeeping and writing KV
+tensors into the slots it was given; resolve appends tokens, finishes requests and commits
+(and frees) KV (``tests/test_kv_writer_rule.py``). Under overlap scheduling launch also runs
+draft-extend, so it moves accepted KV between slots a request holds and updates the worker's
+own draft state and roots (never request state): the next step is launched from them before
+this one is resolved. Variants (the bug zoo) replace a component class, never a method of the
+engine.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from tokenizers import Tokenizer
 
 from refengine.clock import PhaseClock
-from refengine.config import EngineConfig, SamplingParams
+from refengine.config import EngineConfig, SamplingParams, SpecConfig
 from refengine.data import resolve_model_dir
 from refengine.events import Event, FinishEvent, RetractEvent
 from refengine.graph.runner import GraphRunner
 from refengine.memory.manager import KVManager
+from refengine.memory.reservation import PLAIN_DECODE
 from refengine.memory.sessions import SessionStore
 from refengine.memory.view import MemoryView, ceil_page
 from refengine.model.eagle import EagleDraftModel
@@ -36,15 +42,18 @@ from refengine.request import FinishReason, Req
 from refengine.runner import ModelRunner
 from refengine.sampler import request_seed, select_tokens
 from refengine.scheduler import ScheduledBatch, Scheduler
-from refengine.speculative.draft_model import DraftModelWorker
-from refengine.speculative.eagle_v1 import EagleV1Worker
-from refengine.speculative.eagle_v2 import EagleV2Worker, reserve_tokens
-from refengine.speculative.frozen_kv_mtp import FrozenKVMTPV2Worker, FrozenKVMTPWorker
+from refengine.speculative.core import SpeculativeWorker
+from refengine.speculative.draft_model import DraftModelDrafter
+from refengine.speculative.drafter import Drafter
+from refengine.speculative.eagle import EagleDrafter
+from refengine.speculative.frozen_kv_mtp import FrozenKVMTPDrafter
+from refengine.speculative.modes import row_headroom
 from refengine.speculative.worker import SpecWorker
 from refengine.step import StepResult
 
 Prompt = str | Sequence[int]
 DraftClass = type[EagleDraftModel] | type[FrozenKVMTPDraftModel] | type[StandaloneDraftModel]
+DrafterClass = Callable[[SpecConfig, ModelRunner], Drafter[Any]]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -74,11 +83,12 @@ class Engine:
     scheduler_class: type[Scheduler] = Scheduler
     runner_class: type[ModelRunner] = ModelRunner
     graph_runner_class: type[GraphRunner] = GraphRunner  # wraps the runner (cuda_graph=True)
-    # (algorithm, overlap scheduling) -> the SpecWorker that runs it
-    worker_classes: ClassVar[dict[tuple[str, bool], type[EagleV1Worker]]] = {
-        ("eagle", False): EagleV1Worker, ("eagle", True): EagleV2Worker,
-        ("frozen_kv_mtp", False): FrozenKVMTPWorker, ("frozen_kv_mtp", True): FrozenKVMTPV2Worker,
-        ("draft_model", False): DraftModelWorker}
+    # The verify core every speculative algorithm runs on (sequential or overlap), and the
+    # drafter of each algorithm it composes with.
+    worker_class: type[SpeculativeWorker] = SpeculativeWorker
+    drafter_classes: ClassVar[dict[str, DrafterClass]] = {
+        "eagle": EagleDrafter, "frozen_kv_mtp": FrozenKVMTPDrafter,
+        "draft_model": DraftModelDrafter}
     draft_classes: ClassVar[dict[str, DraftClass]] = {
         "eagle": EagleDraftModel, "frozen_kv_mtp": FrozenKVMTPDraftModel,
         "draft_model": StandaloneDraftModel}
@@ -104,9 +114,7 @@ class Engine:
             self.max_context_len, (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim),
             _DTYPES[config.dtype], config.device,
             draft_layers=draft_kv_layers(draft),
-            row_headroom=0 if spec is None else (
-                1 + reserve_tokens(spec) + config.page_size if spec.overlap
-                else max(spec.topk * spec.num_steps, spec.num_draft_tokens)))
+            row_headroom=0 if spec is None else row_headroom(spec, config.page_size))
         self.clock = PhaseClock()
         self.runner: ModelRunner | GraphRunner = self.runner_class(self.model, draft, self.kv)
         if config.cuda_graph:
@@ -118,13 +126,13 @@ class Engine:
                                       else (spec.topk, spec.num_steps))
         self.worker: SpecWorker | None = None
         if spec is not None:
-            self.worker = self.worker_classes[spec.algorithm, spec.overlap](
-                spec, self.runner, self.kv, self.clock)
-        self.lookahead = 1 if self.worker is None else self.worker.lookahead
+            self.worker = self.worker_class(
+                spec, self.runner, self.kv, self.clock,
+                self.drafter_classes[spec.algorithm](spec, self.runner))
+        self.reservation = PLAIN_DECODE if self.worker is None else self.worker.reservation
         self.scheduler = self.scheduler_class(
             self.kv, config.max_running_requests, config.max_prefill_tokens,
-            config.retract_every, (lambda req: 1) if self.worker is None
-            else self.worker.decode_need)
+            config.retract_every, self.reservation)
         self._live: dict[str, Req] = {}
         self.sessions = SessionStore(self.kv)
         self.output = self.output_class(self.kv, self.scheduler, self.worker, self.sessions,
@@ -172,7 +180,7 @@ class Engine:
             raise ValueError(f"prompt: {len(ids)} tokens exceed the context length "
                              f"{self.max_context_len} (room for at least one new token needed)")
         need = ceil_page(min(len(ids) + params.max_new_tokens, self.max_context_len)
-                         + self.lookahead, self.kv.page_size)
+                         + self.reservation.reach, self.kv.page_size)
         if need > self.kv.capacity:
             raise ValueError(f"kv_pool_tokens: request {rid!r} needs up to {need} KV slots "
                              f"(prompt {len(ids)} + max_new_tokens {params.max_new_tokens}) but "
@@ -204,11 +212,8 @@ class Engine:
         launched = None
         with self.clock.timed("schedule"):
             batch = self.scheduler.schedule()
-            claimed: list[Req] = []
-            if (batch is not None and batch.mode == "decode" and batch.reqs
-                    and self.worker is not None):
-                claimed = self.worker.prepare_for_decode(batch.reqs)
-            self.output.claimed = set(claimed)  # until this step is resolved
+            # until this step is resolved
+            self.output.claimed = set() if batch is None else set(batch.claimed)
         running: Future[StepResult] | None = None
         if batch is not None:
             for r in batch.retracted:
@@ -239,7 +244,8 @@ class Engine:
         return events
 
     def launch(self, batch: ScheduledBatch) -> StepResult:
-        """Run the batch's forwards; request state changes only in resolve."""
+        """Run the batch's forwards into the slots schedule allocated; request state changes
+        only in resolve."""
         if batch.mode == "decode" and self.worker is not None:
             return self.worker.launch(batch.reqs)
         with self.clock.timed(batch.mode):
@@ -259,13 +265,13 @@ class Engine:
             if batch.mode == "decode" or start + n == len(req.fill_ids):
                 sample_at.append(len(ids) - 1)
                 sampled.append(req)
-        fb = self.runner.prepare_extend(reqs, lens, ids, sample_at)
-        out = self.runner.forward(fb)
+        forward_batch = self.runner.prepare_extend(reqs, lens, ids, sample_at)
+        out = self.runner.forward(forward_batch)
         tokens = select_tokens(out.logits, [r.params for r in sampled], [r.seed for r in sampled],
                                [len(r.output_ids) for r in sampled])
         by_rid = dict(zip([r.rid for r in sampled], tokens, strict=True))
         if self.worker is not None:  # a prefill: the draft follows over the same tokens
-            self.worker.prefill(reqs, lens, fb, out.features, by_rid)
+            self.worker.prefill(reqs, lens, forward_batch, out.features, by_rid)
         return StepResult(reqs, [[by_rid[r.rid]] if r.rid in by_rid else [] for r in reqs],
                           list(lens))
 
@@ -275,9 +281,6 @@ class Engine:
         next schedule is stale and changes nothing."""
         return frozenset() if self._in_flight is None else frozenset(
             r.rid for r in self._in_flight.reqs)
-
-    def has_work(self) -> bool:
-        return bool(self._live) or bool(self._pending)
 
     def generate(self, prompts: Sequence[Prompt] | Prompt,
                  params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -316,12 +319,9 @@ class Engine:
         return); logits after the last position only, or after every one."""
         ids = self.tokenize(prompt)
         req = Req("__score__", ids, SamplingParams(max_new_tokens=1), 0, -1)
-        if not self.kv.assign_row(req):
-            raise RuntimeError("next_token_logits: no free request row")
-        try:
-            return self.runner.forward(self.runner.prepare_score(req, ids, last_only)).logits
-        finally:
-            self.kv.release(req)
+        with self.scheduler.scoring(req, len(ids)) as slots:
+            return self.runner.forward(
+                self.runner.prepare_score(req, ids, slots, last_only)).logits
 
     def memory(self) -> MemoryView:
         held, rows_held = self.sessions.held()

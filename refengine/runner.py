@@ -1,10 +1,12 @@
-"""ModelRunner: the only code that builds a ``ForwardBatch`` or ``AttentionMetadata`` and the
-only caller of the target and draft models.
+"""ModelRunner: builds the eager engine's ``ForwardBatch``/``AttentionMetadata`` and calls its
+target and draft models.
 
 Callers say *what* runs (which requests, which tokens at which positions, which KV slots); the
 runner says *how*: flat batches in request order, attention metadata over the row table, which
-rows' logits are wanted. A graph-captured executor wraps this class, so everything a forward
-needs passes through it.
+rows' logits are wanted. It reads the KV bookkeeping and never changes it: the slots a forward
+writes were allocated at schedule time. In the engine and its speculative workers every batch
+comes from here; the graph runner (``refengine/graph``) wraps this class and builds the padded
+batches its captured graphs replay (its staging and draft loop make their own).
 """
 
 from __future__ import annotations
@@ -49,10 +51,11 @@ class ModelRunner:
     def prepare_extend(self, reqs: list[Req], lens: list[int], ids: list[int],
                        sample_at: list[int]) -> ForwardBatch:
         """A prefill chunk or a plain decode step: request i runs its next ``lens[i]`` tokens
-        (its slice of ``ids``) from its committed end; logits are wanted at the flat rows
-        ``sample_at``."""
+        (its slice of ``ids``) from its committed end, into the slots the scheduler allocated
+        for them; logits are wanted at the flat rows ``sample_at``."""
         starts = [r.kv_committed_len for r in reqs]
-        slots = [self.kv.extend(r, n) for r, n in zip(reqs, lens, strict=True)]
+        slots = [self.kv.position_slots(r, s, n) for r, s, n in zip(reqs, starts, lens,
+                                                                     strict=True)]
         return ForwardBatch(
             input_ids=torch.tensor(ids),
             positions=torch.cat([torch.arange(s, s + n)
@@ -62,23 +65,24 @@ class ModelRunner:
                                               [s + n for s, n in zip(starts, lens, strict=True)]),
             logits_index=torch.tensor(sample_at, dtype=torch.int64))
 
-    def prepare_score(self, req: Req, ids: list[int], last_only: bool) -> ForwardBatch:
-        """A whole prompt for a request that holds a row and nothing else (scoring)."""
+    def prepare_score(self, req: Req, ids: list[int], slots: torch.Tensor, last_only: bool
+                      ) -> ForwardBatch:
+        """A whole prompt into ``slots`` for a request that holds nothing else (scoring)."""
         n = len(ids)
-        return ForwardBatch(torch.tensor(ids), torch.arange(n), self.kv.extend(req, n),
+        return ForwardBatch(torch.tensor(ids), torch.arange(n), slots,
                             self.attention_metadata(self._rows([req]), [n], [n]),
                             torch.tensor([n - 1]) if last_only else None)
 
-    def prepare_verify(self, reqs: list[Req], vin: VerifyInput, slots: torch.Tensor,
+    def prepare_verify(self, reqs: list[Req], verify_input: VerifyInput, slots: torch.Tensor,
                        causal: bool) -> ForwardBatch:
         """The verify block: request i's ``N`` nodes at positions ``root + depth`` writing the
         slots ``slots[i]``; a chain's tree mask is causal, the metadata's default."""
-        b, n = vin.draft_tokens.shape
-        roots = vin.positions[:, 0].tolist()
+        b, n = verify_input.draft_tokens.shape
+        roots = verify_input.positions[:, 0].tolist()
         meta = self.attention_metadata(self._rows(reqs), [n] * b, [s + n for s in roots],
-                                       None if causal else list(vin.tree_mask))
-        return ForwardBatch(vin.draft_tokens.reshape(-1), vin.positions.reshape(-1),
-                            slots.reshape(-1), meta)
+                                       None if causal else list(verify_input.tree_mask))
+        return ForwardBatch(verify_input.draft_tokens.reshape(-1),
+                            verify_input.positions.reshape(-1), slots.reshape(-1), meta)
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         return self.target(batch, self.kv.target_pool)
@@ -87,8 +91,9 @@ class ModelRunner:
 
     def prepare_draft_prefill(self, target_batch: ForwardBatch, next_ids: torch.Tensor,
                               last_rows: torch.Tensor) -> ForwardBatch:
-        """The head over a target prefill batch: same positions, slots and attention, each
-        position paired with the token after it; ``last_rows`` are the rows to predict from."""
+        """A draft over a target prefill batch: same positions, slots and attention, tokens
+        ``next_ids`` (EAGLE's head: each position paired with the token after it; a standalone
+        draft model: the batch's own); ``last_rows`` are the rows to predict from."""
         return ForwardBatch(next_ids, target_batch.positions, target_batch.out_slots,
                             target_batch.attention, last_rows)
 
@@ -101,10 +106,10 @@ class ModelRunner:
         meta = self.attention_metadata(self._rows(reqs), [width] * len(reqs), seen, masks)
         return ForwardBatch(tokens, positions, slots, meta)
 
-    def prepare_draft_extend(self, reqs: list[Req], ext: DraftExtendInput, ends: list[int]
+    def prepare_draft_extend(self, reqs: list[Req], accepted: DraftExtendInput, ends: list[int]
                              ) -> ForwardBatch:
         """The head over each request's accepted positions, which end before ``ends[i]``."""
-        return self.prepare_tail(reqs, ext.input_ids, ext.accept_lens.tolist(), ends)
+        return self.prepare_tail(reqs, accepted.input_ids, accepted.accept_lens.tolist(), ends)
 
     def prepare_tail(self, reqs: list[Req], ids: torch.Tensor, lens: list[int],
                      ends: list[int]) -> ForwardBatch:

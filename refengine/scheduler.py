@@ -3,13 +3,16 @@
 Policy (sglang's, simplified):
 - prefill first: a chunked prefill in progress continues; otherwise waiting requests are
   admitted in queue order while rows, ``max_running_requests``, the per-step token budget and
-  free KV (keeping each decoding request's next-step need as head-room) allow. A prompt
+  free KV (keeping the pages each decoding request's next reservation needs) allow. A prompt
   larger than the budget is prefilled in chunks, one chunked request at a time;
-- otherwise every decoding request advances; a decode step needs ``decode_need(req)`` slots
-  past each request's allocation (1 plain; under speculation the verify block or the draft
-  scratch, or what tops up an overlap reservation). If the pool cannot give each request
-  that, the newest requests are retracted (KV and row freed, output kept, re-queued at the
-  front) until it can. A retracted session turn keeps the prefix it inherited (and its row).
+- otherwise every decoding request advances; a decode step holds a ``DecodeReservation``
+  past each request's committed end (1 slot plain; under speculation the verify block or the
+  draft scratch, or an overlap reservation). If the pool cannot top every request up to it,
+  the newest requests are retracted (KV and row freed, output kept, re-queued at the front)
+  until it can. A retracted session turn keeps the prefix it inherited (and its row).
+
+Scheduling decides *and allocates*: a prefill chunk's slots and every decode reservation are
+taken here, so launch only reads the KV bookkeeping and writes KV into the slots it was given.
 - test hook ``retract_every = n``: every n-th decode step retracts the middle decoding request
   first (sglang's forced-retract hook; the middle row is the one positional filters get wrong).
 """
@@ -17,11 +20,14 @@ Policy (sglang's, simplified):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from refengine.memory.manager import KVManager
+from refengine.memory.reservation import PLAIN_DECODE, DecodeReservation
 from refengine.request import Req, ReqStatus
 
 
@@ -31,14 +37,16 @@ class ScheduledBatch:
     reqs: list[Req]
     extend_lens: list[int]
     retracted: list[Req] = field(default_factory=list)
+    # Overlap scheduling: the requests whose root slot this decode step pre-claimed.
+    claimed: list[Req] = field(default_factory=list)
 
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_running_requests: int, max_prefill_tokens: int,
                  retract_every: int = 0,
-                 decode_need: Callable[[Req], int] = lambda req: 1) -> None:
+                 reservation: DecodeReservation = PLAIN_DECODE) -> None:
         self.kv = kv
-        self.decode_need = decode_need
+        self.reservation = reservation
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.retract_every = retract_every
@@ -57,6 +65,11 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
 
+    def scoring(self, req: Req, tokens: int) -> AbstractContextManager[torch.Tensor]:
+        """A scoring forward outside the step loop (``Engine.next_token_logits``): a row and
+        ``tokens`` slots for ``req`` while the bracket lasts, yielded as the slots."""
+        return self.kv.scoring(req, tokens)
+
     def schedule(self) -> ScheduledBatch | None:
         return self._schedule_prefill() or self._schedule_decode()
 
@@ -64,7 +77,8 @@ class Scheduler:
         budget = self.max_prefill_tokens
         reqs: list[Req] = []
         lens: list[int] = []
-        head_room = sum(self.kv.pages_needed(r, self.decode_need(r))
+        # Pages the decoding requests' next reservations need: prefill leaves them free.
+        top_up_pages = sum(self.kv.pages_needed(r, self.kv.top_up(r, self.reservation))
                         for r in self.running if r.status is ReqStatus.DECODE)
         chunked = [r for r in self.running if r.status is ReqStatus.PREFILL]
         candidates = chunked + list(self.waiting)
@@ -75,7 +89,7 @@ class Scheduler:
             if fresh and len(self.running) + len(reqs) >= self.max_running_requests:
                 break
             pages = self.kv.pages_needed(req, take)
-            if pages + head_room > self.kv.allocator.free_page_count:
+            if pages + top_up_pages > self.kv.allocator.free_page_count:
                 break
             # A session turn may hold its row already (the inherited prefix)
             if fresh and req.row is None and not self.kv.assign_row(req):
@@ -84,7 +98,7 @@ class Scheduler:
                 self.waiting.remove(req)
                 self.running.append(req)
                 req.status = ReqStatus.PREFILL
-            head_room += pages
+            self.kv.extend(req, take)  # the chunk's slots (the free count drops by ``pages``)
             reqs.append(req)
             lens.append(take)
             budget -= take
@@ -105,8 +119,13 @@ class Scheduler:
             decoding = [r for r in self.running if r.status is ReqStatus.DECODE]
             if not decoding:
                 return ScheduledBatch("decode", [], [], retracted) if retracted else None
-            if self.kv.can_extend([(r, self.decode_need(r)) for r in decoding]):
-                return ScheduledBatch("decode", decoding, [1] * len(decoding), retracted)
+            if self.kv.can_extend([(r, self.kv.top_up(r, self.reservation))
+                                   for r in decoding]):
+                for r in decoding:
+                    self.kv.reserve(r, self.reservation)
+                claimed = decoding if self.reservation.preclaim_root else []
+                return ScheduledBatch("decode", decoding, [1] * len(decoding), retracted,
+                                      list(claimed))
             retracted.append(self._retract(max(self.running, key=lambda r: r.arrival)))
 
     def _retract(self, victim: Req) -> Req:

@@ -1,18 +1,16 @@
 """StepResult: what one launched step produced, handed to ``OutputProcessor.resolve``.
 
-Launch runs the forwards; resolve changes request state (tokens, finish, KV commit). Keeping
-the two apart is what lets a step be resolved after the next one was launched.
+Launch runs the forwards into slots schedule allocated; resolve changes request state (tokens,
+finish, KV commit). Keeping the two apart is what lets a step be resolved after the next one
+was launched.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from refengine.request import Req, ReqStatus
-
-if TYPE_CHECKING:
-    from refengine.speculative.eagle_v1 import VerifyOutcome
+from refengine.speculative.accept import VerifyOutcome
 
 
 @dataclass

@@ -89,6 +89,12 @@ class Run:
         return events
 
 
+def has_work(engine: Engine) -> bool:
+    """Live requests, or events a step has yet to return (an abort's FinishEvent): what a test
+    that steps an engine by hand loops on."""
+    return bool(engine._live) or bool(engine._pending)
+
+
 def drive(engine: Engine, recorder: LogitsRecorder | None = None,
           before_step: Callable[[int], None] | None = None,
           after_step: Callable[[int, list[Any]], None] | None = None,
@@ -96,7 +102,7 @@ def drive(engine: Engine, recorder: LogitsRecorder | None = None,
     """Step ``engine`` until it has no work (continuing ``run`` if given); ``before_step`` and
     ``after_step`` get the step's index (and its events)."""
     run = run if run is not None else Run()
-    while engine.has_work():
+    while has_work(engine):
         assert run.steps < max_steps, "engine did not drain"
         if before_step is not None:
             before_step(run.steps)

@@ -14,6 +14,7 @@ from engine_helpers import (
     LogitsRecorder,
     Run,
     drive,
+    has_work,
     hf_greedy,
     max_logit_diff,
     model_with_eos,
@@ -48,7 +49,7 @@ def make_engine(model_dir: Path, **kwargs: object) -> Engine:
 
 
 def assert_idle(engine: Engine) -> None:
-    assert not engine.has_work()
+    assert not has_work(engine)
     assert idle_error(engine.memory()) is None
 
 

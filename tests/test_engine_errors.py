@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from engine_helpers import has_work
 
 import refengine.data
 from refengine import Engine, EngineConfig, FinishEvent, SamplingParams
@@ -28,7 +29,7 @@ def engine(random_model_dir: Path) -> Engine:
 
 
 def assert_untouched(engine: Engine) -> None:
-    assert not engine.has_work()
+    assert not has_work(engine)
     assert idle_error(engine.memory()) is None
     assert engine.step() == []
 
@@ -231,7 +232,7 @@ def test_duplicate_live_rid(engine: Engine) -> None:
     with pytest.raises(ValueError, match=r"^rid: request 'dup' is already live"):
         engine.add_request("dup", [4, 5, 6], SamplingParams(max_new_tokens=2))
     finished = []
-    while engine.has_work():
+    while has_work(engine):
         finished += [e for e in engine.step() if isinstance(e, FinishEvent)]
     assert [(e.rid, len(e.output_ids)) for e in finished] == [("dup", 2)]
     # Once finished, the rid may be used again.

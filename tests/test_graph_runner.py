@@ -210,10 +210,14 @@ def test_fallbacks(probe: RefGraphProbe) -> None:
         assert torch.equal(graph.forward(batch).logits, eager.logits)
     with probe.requests(2) as two:
         # A ragged batch (prefill-like: different token counts).
+        for r, n in zip(two, [1, 2], strict=True):
+            runner.kv.extend(r, n)
         ragged = graph.prepare_extend(two, [1, 2], [5, 6, 7], [0, 2])
         assert ragged.attention.ragged is not None and not graph.can_run(ragged)
     with probe.requests(2) as two:
         # An untagged batch (built by the plain runner).
+        for r in two:
+            runner.kv.extend(r, 1)
         plain = runner.prepare_extend(two, [1, 1], [5, 6], [0, 1])
         assert not isinstance(plain, GraphBatch) and not graph.can_run(plain)
     with probe.requests(MAX_BS) as reqs:

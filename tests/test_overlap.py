@@ -9,11 +9,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
-from engine_helpers import SPEC_GREEDY, SPEC_PROMPTS, spec_engine
+from engine_helpers import SPEC_GREEDY, SPEC_PROMPTS, has_work, spec_engine
 
 from refengine import Engine, FinishEvent, SamplingParams, TokenEvent
 from refengine.memory.view import idle_error
-from refengine.speculative.eagle_v2 import reserve_tokens
+from refengine.speculative.modes import overlap_window
 
 PROMPTS, GREEDY = SPEC_PROMPTS, SPEC_GREEDY
 CONFIGS = ["chain-s3-n4", "tree-s3-k4-n8"]
@@ -74,7 +74,7 @@ def run_with_retraction_and_aborts(e: Engine) -> Run:
     outputs: dict[str, list[int]] = {}
     trace: list[list[str]] = []
     retractions = 0
-    while e.has_work():
+    while has_work(e):
         for rid in sorted(doomed):
             if rng.random() < 0.15:
                 e.abort(rid)
@@ -121,11 +121,11 @@ def test_reservation_and_preclaim(spec_pair: tuple[Path, Path]) -> None:
     e = engine(spec_pair, "chain-s3-n4", page_size=4)
     spec = e.config.spec
     assert spec is not None
-    two_l = reserve_tokens(spec)
+    two_l = overlap_window(spec)
     e.add_request("a", PROMPTS[0], GREEDY)
     streamed: list[int] = []
     seen_in_flight = False
-    while e.has_work():
+    while has_work(e):
         events = e.step()
         streamed += [t for ev in events if isinstance(ev, TokenEvent) for t in ev.token_ids]
         view = e.memory()
@@ -158,7 +158,7 @@ def test_results_of_finished_and_aborted_requests_are_stale(spec_pair: tuple[Pat
     tokens: dict[str, list[int]] = {"short": [], "victim": [], "keeper": []}
     finished: dict[str, str] = {}
     aborted_at = None
-    while e.has_work():
+    while has_work(e):
         events = e.step()
         for ev in events:
             if isinstance(ev, TokenEvent):

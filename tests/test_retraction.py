@@ -9,7 +9,7 @@ import weakref
 from pathlib import Path
 
 import pytest
-from engine_helpers import Run, drive
+from engine_helpers import Run, drive, has_work
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -129,7 +129,7 @@ def test_abort_a_retracted_request(random_model_dir: Path, unconstrained: dict[s
     run = Run()
     victim = None
     while victim is None:
-        assert engine.has_work(), "no retraction happened"
+        assert has_work(engine), "no retraction happened"
         events = run.step(engine)
         victim = next((e.rid for e in events if isinstance(e, RetractEvent)), None)
     assert victim not in engine.memory().requests  # KV and row already freed

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import SPEC_GREEDY, SPEC_PROMPTS, SPEC_SHAPES, spec_engine
+from engine_helpers import SPEC_GREEDY, SPEC_PROMPTS, SPEC_SHAPES, has_work, spec_engine
 
 from refengine import SamplingParams
 from refengine.memory.view import idle_error
 from refengine.request import Req
 from refengine.speculative.draft_search import beam_search, chain_search
+from refengine.speculative.eagle import EagleDrafter
 from refengine.speculative.inputs import DraftInput, VerifyInput
 
 PROMPTS, CONFIGS, GREEDY = SPEC_PROMPTS, SPEC_SHAPES, SPEC_GREEDY
@@ -45,23 +46,25 @@ def test_lossless_and_accounted(spec_pair: tuple[Path, Path], plain_outputs: lis
 def test_chain_draft_equals_tree_draft_with_topk_1(spec_pair: tuple[Path, Path],
                                                     page_size: int) -> None:
     """The chain fast path is the tree path specialised to ``topk == 1``: on every decode step
-    of a mixed-length batch both give the same VerifyInput, field for field, and leave the pool
-    as they found it."""
+    of a mixed-length batch both give the same VerifyInput, field for field, and allocate
+    nothing (they draft into the step's reservation)."""
     e = engine(spec_pair, "chain-s3-n4", page_size=page_size)
     worker = e.worker
     assert worker is not None
     batch_sizes: list[int] = []
 
+    drafter = worker.drafter
+    assert isinstance(drafter, EagleDrafter)
+
     def both(reqs: list[Req], din: DraftInput) -> torch.Tensor:
         free = e.kv.allocator.free_slots
-        with worker.draft_forwards(reqs, 1) as forward:
-            chain = chain_search(din.topk_index, din.hidden_states, worker.spec.num_steps,
-                                 forward)
-        with worker.draft_forwards(reqs, 1) as forward:
-            beam = beam_search(din.topk_p, din.topk_index, din.hidden_states,
-                               worker.spec.num_steps, forward)
+        step = worker.draft_step(reqs)
+        chain = chain_search(din.topk_index, din.hidden_states, worker.spec.num_steps,
+                             drafter.forwards(step, 1))
+        beam = beam_search(din.topk_p, din.topk_index, din.hidden_states,
+                           worker.spec.num_steps, drafter.forwards(step, 1))
         assert e.kv.allocator.free_slots == free
-        roots = worker.root_tokens(din)
+        roots = drafter.root_tokens(din)
         chain_input = worker.to_verify_input(reqs, roots, chain)
         tree_input = worker.to_verify_input(reqs, roots, beam)
         for f in fields(VerifyInput):
@@ -94,7 +97,7 @@ def test_forced_retraction_and_aborts(spec_pair: tuple[Path, Path],
     outputs: dict[str, list[int]] = {}
     retracted = 0
     steps = 0
-    while e.has_work():
+    while has_work(e):
         steps += 1
         if steps == 4:
             e.abort("r2")
@@ -142,14 +145,16 @@ def test_generation_up_to_the_context_limit(spec_pair: tuple[Path, Path]) -> Non
     assert idle_error(e.memory()) is None
 
 
-def test_draft_refuses_kv_held_past_the_committed_end(spec_pair: tuple[Path, Path]) -> None:
-    """Draft scratch KV goes just past each request's allocation, which must be the committed
-    end; a slot held past it would put the root's draft KV at the wrong positions."""
+def test_draft_refuses_a_request_without_its_reservation(spec_pair: tuple[Path, Path]) -> None:
+    """Draft scratch and the verify block are the slots the scheduler reserved past each root;
+    a request drafted without that reservation (here: one stray slot past the committed end,
+    less than the step's scratch) is refused, never given slots it does not hold."""
     e = engine(spec_pair, "chain-s3-n4")
     e.add_request("a", PROMPTS[0], GREEDY)
     e.step()  # prefill: allocated == committed, a draft input is installed
     (req,) = e._live.values()
     assert e.worker is not None
+    assert req.kv_allocated_len == req.kv_committed_len  # V1 holds nothing between steps
     e.kv.extend(req, 1)  # one stray slot past the committed end
-    with pytest.raises(RuntimeError, match=r"\['a'\] hold KV past their committed end"):
+    with pytest.raises(RuntimeError, match=r"\['a'\] have no reservation for 2 positions"):
         e.worker.draft([req], e.worker.draft_state.aligned(["a"]))

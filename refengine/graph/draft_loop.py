@@ -167,7 +167,7 @@ def eagle_extend(draft: EagleDraftModel, pool: KVPool, table: torch.Tensor, topk
                  steps: int, max_kv: int, ids: torch.Tensor, hidden: torch.Tensor,
                  rows: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """EAGLE's draft-extend (``EagleV1Worker.draft_extend``) on ``N`` rows per request: its
+    """EAGLE's draft-extend (``EagleDrafter.extend``) on ``N`` rows per request: its
     accepted tokens right-aligned, ending before ``ends`` (the root), after front padding
     (token 0, zero features, the dummy slot). Every row writes the head's KV; only each
     request's last row, its newest accepted token, goes on through attention, MLP, norm and

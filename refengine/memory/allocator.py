@@ -5,11 +5,9 @@ Invariants (checked, not assumed):
   padded row of a graph replay can point there harmlessly;
 - every other page is either in the free list or owned by exactly one holder; freeing a page
   that is already free (a double free) raises instead of corrupting the free list;
-- ``scratch()`` brackets scratch allocations (EAGLE draft KV): everything allocated inside
-  returns to the free list on exit, in the original order. It undoes only what happened inside
-  (O(pages allocated)); restoring a snapshot of the whole free list (``backup_state``) costs
-  O(pool), and drafting brackets every decode step: at a 16K-page pool the snapshot and its
-  restore alone cost ~0.12 ms a step.
+- ``scratch()`` brackets temporary allocations: everything allocated inside returns to the
+  free list on exit, in the original order. It undoes only what happened inside (O(pages
+  allocated)), not by restoring a snapshot of the whole free list (``backup_state``, O(pool)).
 """
 
 from __future__ import annotations

@@ -4,8 +4,11 @@ A request's positions ``0 .. allocated-1`` map to slots through its row in ``req
 slots come in whole pages, so a request owns ``ceil_page(allocated)`` slots.
 
 The manager is the only code that changes ``kv_allocated_len`` and ``kv_committed_len``, and
-the only code that moves KV between slots (``commit_path``); the models write the KV of the
-tokens they run, at the slots the runner hands them. Invariant kept here, between steps:
+the only code that moves KV between slots (``move_path``, ``commit_path``); the models write the
+KV of the tokens they run, at the slots the runner hands them. Its bookkeeping mutators are
+called from the schedule phase (``Scheduler``: allocation, reservation, retraction) and the
+resolve phase (``OutputProcessor``, sessions: commit and release) only
+(``tests/test_kv_writer_rule.py``). Invariant kept here, between steps:
 ``kv_committed_len <= kv_allocated_len``.
 """
 
@@ -19,11 +22,11 @@ import torch
 from refengine.memory.allocator import TokenAllocator
 from refengine.memory.kv_pool import KVPool
 from refengine.memory.req_to_token import ReqToTokenPool
+from refengine.memory.reservation import DecodeReservation
 from refengine.memory.view import (
     MemoryView,
     ReqKV,
     bounds_error,
-    ceil_page,
     conservation_error,
 )
 from refengine.request import Req
@@ -99,22 +102,23 @@ class KVManager:
         positions = torch.tensor(starts)[:, None] + torch.arange(tokens)
         return self.rows.table[rows[:, None], positions]
 
+    def position_slots(self, req: Req, start: int, tokens: int) -> torch.Tensor:
+        """The slots of positions ``start .. start + tokens - 1`` of ``req``, which it holds."""
+        if start + tokens > req.kv_allocated_len:
+            raise RuntimeError(f"request {req.rid!r}: positions up to {start + tokens} asked, "
+                               f"only {req.kv_allocated_len} allocated")
+        return self.rows.table[req.row, start:start + tokens]
+
     @contextmanager
-    def scratch(self, reqs: list[Req], new_tokens: int) -> Iterator[torch.Tensor]:
-        """Reserve ``new_tokens`` positions past each request's allocation for the duration of
-        the block (EAGLE draft KV) and yield their slots, ``[len(reqs), new_tokens]``; on exit
-        the pool, the row ends and ``kv_allocated_len`` are as they were. The row table keeps
-        the stale slot ids past the allocation, harmlessly: nothing reads positions at or
-        beyond ``kv_allocated_len``."""
-        allocated = [r.kv_allocated_len for r in reqs]
+    def scoring(self, req: Req, tokens: int) -> Iterator[torch.Tensor]:
+        """A row and ``tokens`` slots for a scoring forward outside the step loop, yielded as
+        the slots; on exit the request's row and slots are released again."""
+        if not self.assign_row(req):
+            raise RuntimeError("next_token_logits: no free request row")
         try:
-            with self.allocator.scratch():
-                slots = [self.extend(r, new_tokens) for r in reqs]
-                yield (torch.stack(slots) if slots
-                       else torch.empty((0, new_tokens), dtype=torch.int64))
+            yield self.extend(req, tokens)
         finally:
-            for r, n in zip(reqs, allocated, strict=True):
-                r.kv_allocated_len = n
+            self.release(req)
 
     def commit(self, req: Req, new_tokens: int) -> None:
         """The forward that just ran wrote KV for ``new_tokens`` more positions."""
@@ -144,23 +148,37 @@ class KVManager:
             self.target_pool.k[:, dst] = self.target_pool.k[:, src]
             self.target_pool.v[:, dst] = self.target_pool.v[:, src]
 
-    def reserve_need(self, req: Req, reserve_tokens: int) -> int:
-        """Positions past its allocation ``reserve_for_decode`` will add for ``req``."""
-        want = ceil_page(req.kv_committed_len + 1 + reserve_tokens, self.page_size)
-        return max(0, want - req.kv_allocated_len)
+    def top_up(self, req: Req, reservation: DecodeReservation) -> int:
+        """Positions past its allocation ``reserve`` will add for ``req``."""
+        return max(0, reservation.end(req.kv_committed_len, self.page_size)
+                   - req.kv_allocated_len)
 
-    def reserve_for_decode(self, req: Req, reserve_tokens: int) -> None:
-        """Overlap scheduling, at schedule time: reserve up to ``committed + 1 +
-        reserve_tokens`` positions, page-aligned, and pre-claim the slot of the root (the token
-        the step's verify writes first, committed by every verify). The step's forwards then
-        only use reserved slots; resolution commits the rest of the accepted run."""
-        need = self.reserve_need(req, reserve_tokens)
+    def reserve(self, req: Req, reservation: DecodeReservation) -> None:
+        """At schedule time: grow ``req``'s allocation to hold its next decode step's
+        reservation and, where the reservation says so, pre-claim the root's slot (commit it
+        ahead of the step's resolution)."""
+        need = self.top_up(req, reservation)
         if need:
             self.extend(req, need)
-        self.commit(req, 1)
+        if reservation.preclaim_root:
+            self.commit(req, 1)
+
+    @contextmanager
+    def reserved(self, reqs: list[Req], reservation: DecodeReservation) -> Iterator[None]:
+        """``reqs`` (committed, in no step) reserved as for a decode step, for a probe that runs
+        a step's forwards outside the loop; on exit a pre-claim is undone (the allocation
+        stays: the caller truncates it)."""
+        for req in reqs:
+            self.reserve(req, reservation)
+        try:
+            yield
+        finally:
+            if reservation.preclaim_root:
+                for req in reqs:
+                    self.unclaim(req)
 
     def unclaim(self, req: Req) -> None:
-        """Undo ``reserve_for_decode``'s pre-claim: the step it was made for was never
+        """Undo ``reserve``'s pre-claim: the step it was made for was never
         resolved for ``req`` (the request finished while that step was in flight)."""
         if req.kv_committed_len < 1:
             raise RuntimeError(f"request {req.rid!r}: no pre-claimed slot to roll back")

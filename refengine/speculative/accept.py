@@ -4,14 +4,16 @@ This is the only place that decides it. Greedy requests walk the tree from the r
 node following the first child (in sibling order) whose token equals the target's argmax there,
 for at most ``num_steps`` drafts; the bonus is the target's argmax after the last accepted node
 (``kernels.tree_reference.greedy_walk``). Sampled requests use tree speculative sampling
-(``spec.verify.verify_tree_sampling``): each child is accepted with probability ``p/q``, a
+(``speculative.verify.verify_tree_sampling``): each child is accepted with probability ``p/q``, a
 rejection draws from the residual, so every emitted token follows the target's distribution
 exactly. ``sample_path`` is passed in so a worker variant can replace the sampled rule alone.
+The result, a ``VerifyOutcome``, is what resolve commits and draft-extend continues from.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -21,24 +23,36 @@ from refengine.sampler import sampling_probs
 from refengine.speculative.inputs import VerifyInput
 from refengine.speculative.verify import SampledPath
 
+
+@dataclass
+class VerifyOutcome:
+    """Per request: accepted nodes (root first) and the tokens they emit (drafts + bonus)."""
+
+    nodes: list[list[int]]
+    emitted: list[list[int]]
+    features: torch.Tensor       # [b, N, H] target features at every tree node
+    verify_input: VerifyInput
+
+
 SamplePath = Callable[[Req, VerifyInput, int, torch.Tensor], SampledPath]
 
 
-def accept(reqs: list[Req], vin: VerifyInput, logits: torch.Tensor, num_steps: int,
+def accept(reqs: list[Req], verify_input: VerifyInput, logits: torch.Tensor, num_steps: int,
            sample_path: SamplePath) -> tuple[list[list[int]], list[list[int]]]:
     """``logits [b, N, V]`` of the verify forward -> per request the accepted block offsets
     (root first) and the tokens they emit (accepted drafts, then the bonus)."""
     # Python lists once for the whole batch: per-element tensor reads cost an op each.
-    draft_tokens = vin.draft_tokens.tolist()
+    draft_tokens = verify_input.draft_tokens.tolist()
     accept_index, accept_len, bonus = greedy_walk(
-        draft_tokens, vin.retrieve_next_token.tolist(), vin.retrieve_next_sibling.tolist(),
+        draft_tokens, verify_input.retrieve_next_token.tolist(),
+        verify_input.retrieve_next_sibling.tolist(),
         torch.argmax(logits, dim=-1).tolist(), num_steps)
     paths, emitted = [], []
     for i, req in enumerate(reqs):
         if req.params.greedy:
             path, last = accept_index[i][: accept_len[i] + 1], bonus[i]
         else:
-            sampled = sample_path(req, vin, i, sampling_probs(logits[i], req.params))
+            sampled = sample_path(req, verify_input, i, sampling_probs(logits[i], req.params))
             path, last = sampled.nodes, sampled.bonus
         paths.append(path)
         emitted.append([draft_tokens[i][j] for j in path[1:]] + [last])

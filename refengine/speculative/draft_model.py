@@ -12,71 +12,73 @@ finish, abort and retraction alike. Between steps it covers the committed prefix
 
 * **prefill**: the draft runs over the target's prefill batch itself (same tokens, positions,
   slots and attention): its KV then covers the fill, chunk by chunk, as the target's does.
-* **draft** (``launch``): the verify block's ``N`` slots are allocated first and the draft
-  writes its KV straight into them. Forward 1 runs each request's catch-up positions
-  ``[s - behind, s)`` together with the root at ``s`` (one ragged batch: the catch-up costs no
-  forward of its own) and gives ``d_1``; forwards ``2 .. S`` run ``d_{i-1}`` at ``s + i - 1``
-  (``chain_search``). Every draft token is the argmax: the verify treats drafts as point
-  masses, so speculative sampling stays exactly lossless whatever the draft proposes.
-* **verify, accept, commit**: EAGLE's on a chain (``accept.py``, ``KVManager.commit_path``).
+* **draft**: the draft writes its KV straight into the verify block's ``N`` reserved slots.
+  Forward 1 runs each request's catch-up positions ``[s - behind, s)`` together with the root
+  at ``s`` (one ragged batch: the catch-up costs no forward of its own) and gives ``d_1``;
+  forwards ``2 .. S`` run ``d_{i-1}`` at ``s + i - 1`` (``chain_search``). Every draft token
+  is the argmax: the verify treats drafts as point masses, so speculative sampling stays
+  exactly lossless whatever the draft proposes.
+* **verify, accept, commit**: the core's on a chain (``accept.py``, ``KVManager.commit_path``).
   The accepted drafts are the tokens the draft ran, so their draft KV is already in place;
   commit frees the rejected part of the block with the target's.
-* **after resolve** (``draft_extend``): no forward. The next root is the bonus token; when the
+* **after resolve** (``extend``): no forward. The next root is the bonus token; when the
   whole chain was accepted the draft never ran ``d_S``, so ``behind = 1`` (else 0).
 
-When every request finishes inside verify an idle ``CatchUpInput`` is installed (bug class
-all-finish-in-verify). Overlap scheduling is refused by ``SpecConfig``.
+Overlap scheduling is refused by ``SpecConfig``.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from refengine.config import SpecConfig
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
-from refengine.speculative.draft_search import chain_search
-from refengine.speculative.eagle_v1 import EagleV1Worker
-from refengine.speculative.inputs import CatchUpInput, DraftExtendInput, DraftInput, SeedInput
-from refengine.step import StepResult
+from refengine.runner import ModelRunner
+from refengine.speculative.draft_search import LoopOutput, chain_search
+from refengine.speculative.drafter import DraftStep
+from refengine.speculative.inputs import CatchUpInput, DraftExtendInput
+
+if TYPE_CHECKING:
+    from refengine.graph.draft_loop import DraftLoopGraph
 
 
-class DraftModelWorker(EagleV1Worker):
-    def idle_input(self) -> CatchUpInput:  # type: ignore[override]
+class DraftModelDrafter:
+    scratch_positions = 0  # the draft's KV goes into the verify block
+
+    def __init__(self, spec: SpecConfig, runner: ModelRunner) -> None:
+        self.spec = spec
+        self.runner = runner
+
+    def idle(self) -> CatchUpInput:
         return CatchUpInput.idle()
 
+    def root_tokens(self, state: CatchUpInput) -> torch.Tensor:
+        return state.verified_id
+
     def prefill(self, reqs: list[Req], lens: list[int], batch: ForwardBatch,
-                features: torch.Tensor, sampled: dict[str, int]) -> None:
+                features: torch.Tensor, sampled: dict[str, int]) -> CatchUpInput:
         """The draft writes its KV over the same batch (no logits wanted: the target sampled
         the root); a request whose fill completed gets its state, nothing behind."""
         no_logits = torch.empty((0,), dtype=torch.int64)
         self.runner.forward_draft_model(
-            ForwardBatch(batch.input_ids, batch.positions, batch.out_slots, batch.attention,
-                         no_logits))
+            self.runner.prepare_draft_prefill(batch, batch.input_ids, no_logits))
         done = [r.rid for r in reqs if r.rid in sampled]
-        self.draft_state.add(done, CatchUpInput(
-            torch.tensor([sampled[rid] for rid in done], dtype=torch.int64),
-            torch.zeros(len(done), dtype=torch.int64)))
+        return CatchUpInput(torch.tensor([sampled[rid] for rid in done], dtype=torch.int64),
+                            torch.zeros(len(done), dtype=torch.int64))
 
-    def launch(self, reqs: list[Req]) -> StepResult:
-        """The verify block first: the draft writes its KV into it."""
-        for req in reqs:
-            self.kv.extend(req, self.spec.num_draft_tokens)
-        return super().launch(reqs)
+    def graph_search(self, step: DraftStep, state: CatchUpInput, loop: DraftLoopGraph
+                     ) -> LoopOutput | None:
+        return None  # a standalone draft model drafts forward by forward (no loop graph)
 
-    def verify_slots(self, reqs: list[Req]) -> torch.Tensor:
-        return self.kv.block_slots(reqs, self.roots(reqs), self.spec.num_draft_tokens)
-
-    def root_tokens(self, din: DraftInput | CatchUpInput) -> torch.Tensor:  # type: ignore[override]
-        return din.verified_id
-
-    def eager_search(self, reqs: list[Req],  # type: ignore[override]
-                     din: DraftInput | SeedInput | CatchUpInput) -> torch.Tensor:
+    def eager_search(self, step: DraftStep, state: CatchUpInput) -> LoopOutput:
         """-> the chain's draft tokens ``[b, S]``."""
-        assert isinstance(din, CatchUpInput)
-        roots = self.roots(reqs)
-        block = self.verify_slots(reqs)
-        behind = din.behind.tolist()
-        ids = [t for req, s, k, root in zip(reqs, roots, behind, din.verified_id.tolist(),
+        reqs, roots = step.reqs, step.roots
+        block = step.slots(self.spec.num_draft_tokens)
+        behind = state.behind.tolist()
+        ids = [t for req, s, k, root in zip(reqs, roots, behind, state.verified_id.tolist(),
                                             strict=True)
                for t in (*req.fill_ids[s - k:s], root)]
         logits, features = self.runner.forward_draft_model(self.runner.prepare_tail(
@@ -93,10 +95,10 @@ class DraftModelWorker(EagleV1Worker):
         first = torch.argmax(logits, dim=-1)[:, None]
         return chain_search(first, features, self.spec.num_steps, forward)
 
-    def draft_extend(self, reqs: list[Req],  # type: ignore[override]
-                     ext: DraftExtendInput) -> CatchUpInput:
+    def extend(self, step: DraftStep, accepted: DraftExtendInput,
+               graph: DraftLoopGraph | None) -> CatchUpInput:
         """No forward: the root is each run's bonus token; a run of ``S + 1`` (the whole
         chain accepted) leaves ``d_S``'s position behind."""
-        last = torch.cumsum(ext.accept_lens, 0) - 1
-        return CatchUpInput(ext.input_ids[last],
-                            (ext.accept_lens - self.spec.num_steps).clamp(min=0))
+        last = torch.cumsum(accepted.accept_lens, 0) - 1
+        return CatchUpInput(accepted.input_ids[last],
+                            (accepted.accept_lens - self.spec.num_steps).clamp(min=0))

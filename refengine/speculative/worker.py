@@ -1,11 +1,13 @@
 """SpecWorker: what the engine needs from a speculative algorithm, and nothing more.
 
-The engine schedules, launches and resolves; a worker owns everything specific to its
-algorithm: its draft state between steps (which follows the batch through finish, abort and
-retraction), how many KV slots a decode step needs per request, what it does after a target
-prefill, and the decode step itself. It runs forwards only through the ``ModelRunner`` and
-never writes request KV bookkeeping: ``OutputProcessor.resolve`` commits through the
-``KVManager``.
+The engine schedules, launches and resolves; a worker owns everything specific to speculative
+decoding: its draft state between steps (which follows the batch through finish, abort and
+retraction), the KV a decode step holds past each request's committed end (the scheduler
+reserves it), what it does after a target prefill, and the decode step itself. It runs
+forwards only through the ``ModelRunner``, writes KV tensors only into slots it was given and
+never writes request or KV bookkeeping: ``Scheduler`` allocates, ``OutputProcessor.resolve``
+commits (``tests/test_kv_writer_rule.py``). The reference implementation is
+``speculative/core.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from refengine.memory.reservation import DecodeReservation
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
 from refengine.step import StepResult
@@ -21,17 +24,9 @@ from refengine.step import StepResult
 
 class SpecWorker(Protocol):
     @property
-    def lookahead(self) -> int:
-        """KV positions past its sequence a request may need during a decode step."""
-
-    def decode_need(self, req: Req) -> int:
-        """KV positions past its allocation ``req`` needs for the next decode step (the
-        scheduler retracts until every decoding request can have them)."""
-
-    def prepare_for_decode(self, reqs: list[Req]) -> list[Req]:
-        """Schedule-side allocation for a decode batch about to launch (overlap scheduling
-        reserves here, so the launched step never allocates). Returns the requests whose root
-        slot it pre-claimed (committed ahead of the step's resolution)."""
+    def reservation(self) -> DecodeReservation:
+        """The KV a decode step holds past each request's committed end (the scheduler
+        reserves it before launch)."""
 
     @property
     def reserve_bound(self) -> int:

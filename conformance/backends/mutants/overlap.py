@@ -3,8 +3,11 @@ reservation, a commit made late."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from refengine import Engine
 from refengine.memory.manager import KVManager
+from refengine.memory.reservation import DecodeReservation
 from refengine.memory.view import ceil_page
 from refengine.output import OutputProcessor
 from refengine.request import Req
@@ -42,12 +45,14 @@ class AbortLeaksReservation(Engine):
 
 
 class _NoPreClaim(KVManager):
-    def reserve_for_decode(self, req: Req, reserve_tokens: int) -> None:
+    def reserve(self, req: Req, reservation: DecodeReservation) -> None:
+        if not reservation.preclaim_root:
+            super().reserve(req, reservation)
+            return
         # The same reservation end as the reference (committed + 1 + 2L, the root included),
         # but the root's slot is not pre-claimed: resolution commits the whole run instead.
-        need = self.reserve_need(req, reserve_tokens - 1)
-        if need:
-            self.extend(req, need)
+        super().reserve(req, replace(reservation, reach=reservation.reach - 1,
+                                     preclaim_root=False))
 
 
 class _CommitsWholeRunLate(OutputProcessor):

@@ -11,17 +11,13 @@ from typing import ClassVar
 
 import torch
 
-from conformance.backends.mutants.tables import with_worker
 from conformance.checks.distribution import DraftTree, draft_tree
 from conformance.contract import SamplingParams
 from refengine import Engine
 from refengine.request import Req
-from refengine.speculative.draft_model import DraftModelWorker
-from refengine.speculative.eagle_v1 import EagleV1Worker, VerifyOutcome
-from refengine.speculative.frozen_kv_mtp import FrozenKVMTPWorker
-from refengine.speculative.inputs import (
-    VerifyInput,
-)
+from refengine.speculative.accept import VerifyOutcome
+from refengine.speculative.core import SpeculativeWorker
+from refengine.speculative.inputs import VerifyInput
 from refengine.speculative.verify import SampledPath, verify_tree_sampling
 
 
@@ -32,32 +28,24 @@ def _residual_is_p(p: torch.Tensor, rejected: list[int]) -> torch.Tensor:
     return p
 
 
-class _ResidualIsP(EagleV1Worker):
-    """Samples with the biased residual, and records each draft tree per root sequence in
-    ``trees`` so the distribution tier can derive this mutant's exact output distribution (its
-    negative-control power)."""
+class _ResidualIsP(SpeculativeWorker):
+    """Samples with the biased residual (under every drafter: the verify path is shared), and
+    records each draft tree per root sequence in ``trees`` so the distribution tier can derive
+    this mutant's exact output distribution (its negative-control power)."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.trees: dict[tuple[int, ...], Counter[DraftTree]] = {}
 
-    def sample_path(self, req: Req, vin: VerifyInput, row: int, probs: torch.Tensor
+    def sample_path(self, req: Req, verify_input: VerifyInput, row: int, probs: torch.Tensor
                     ) -> SampledPath:
-        tokens = vin.draft_tokens[row].tolist()
-        next_token = vin.retrieve_next_token[row].tolist()
-        next_sibling = vin.retrieve_next_sibling[row].tolist()
+        tokens = verify_input.draft_tokens[row].tolist()
+        next_token = verify_input.retrieve_next_token[row].tolist()
+        next_sibling = verify_input.retrieve_next_sibling[row].tolist()
         root = (*req.prompt_ids, *req.output_ids)
         self.trees.setdefault(root, Counter())[draft_tree(tokens, next_token, next_sibling)] += 1
         return verify_tree_sampling(tokens, next_token, next_sibling, probs, self.spec.num_steps,
                                     req.seed, self.output_index(req), residual=_residual_is_p)
-
-
-class _MTPResidualIsP(_ResidualIsP, FrozenKVMTPWorker):
-    """The same biased residual over Frozen-KV MTP's draft (the verify path is shared)."""
-
-
-class _DraftModelResidualIsP(_ResidualIsP, DraftModelWorker):
-    """The same biased residual over a standalone draft model's chain."""
 
 
 def verified_draft_trees(handle: object) -> dict[tuple[int, ...], Counter[DraftTree]]:
@@ -78,8 +66,7 @@ class BiasedVerifySampler(Engine):
     reproducible; only the distribution of sampled tokens is wrong. Plain decoding (no
     speculation) is exactly the reference engine's."""
 
-    worker_classes = with_worker("draft_model", _DraftModelResidualIsP, with_worker(
-        "frozen_kv_mtp", _MTPResidualIsP, with_worker("eagle", _ResidualIsP)))
+    worker_class = _ResidualIsP
 
 
 # --- sampling parameters on the verify path ----------------------------------------------------
@@ -95,18 +82,18 @@ def drop_temperature(params: SamplingParams) -> SamplingParams:
     return params if params.greedy else replace(params, temperature=1.0)
 
 
-class _VerifyParamsAltered(EagleV1Worker):
+class _VerifyParamsAltered(SpeculativeWorker):
     """Verify sees each sampled request's params through ``verify_params``: its target
     distribution is built from them, while the plain (prefill) sampler uses the real ones."""
 
     verify_params: ClassVar[Callable[[SamplingParams], SamplingParams]]
 
-    def verify(self, reqs: list[Req], vin: VerifyInput) -> VerifyOutcome:
+    def verify(self, reqs: list[Req], verify_input: VerifyInput) -> VerifyOutcome:
         own = [req.params for req in reqs]
         for req in reqs:
             req.params = type(self).verify_params(req.params)
         try:
-            return super().verify(reqs, vin)
+            return super().verify(reqs, verify_input)
         finally:
             for req, params in zip(reqs, own, strict=True):
                 req.params = params
@@ -125,7 +112,7 @@ class VerifyIgnoresTopP(Engine):
     without top-p filtering while plain sampling applies it, so tokens outside the nucleus are
     emitted after the first. Greedy output is untouched."""
 
-    worker_classes = with_worker("eagle", _VerifyIgnoresTopP)
+    worker_class = _VerifyIgnoresTopP
 
 
 class VerifyTemperatureMisapplied(Engine):
@@ -133,7 +120,7 @@ class VerifyTemperatureMisapplied(Engine):
     (the temperature reaches only the plain sampler), so every verified token follows the
     untempered law. Greedy output is untouched."""
 
-    worker_classes = with_worker("eagle", _VerifyIgnoresTemperature)
+    worker_class = _VerifyIgnoresTemperature
 
 
 # The verify-path parameter bugs, by mutant name: their exact output law follows from the

@@ -87,7 +87,7 @@ SOURCE_MUTANTS: dict[str, SourceMutant] = {m.name: m for m in [
         "The EAGLE draft loop places step-i nodes at s + i instead of s + i - 1 (acceptance "
         "regression): verification is untouched and output stays lossless; only acceptance "
         "drops, which only the golden traces see.",
-        (SourceEdit("speculative/eagle_v1.py", "positions = (seq[:, None] + (i - 1))",
+        (SourceEdit("speculative/eagle.py", "positions = (seq[:, None] + (i - 1))",
                     "positions = (seq[:, None] + i)"),),
         spec="eagle"),
 ]}

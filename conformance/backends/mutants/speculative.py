@@ -1,4 +1,4 @@
-"""Mutants of EAGLE V1-style speculation: verify input left installed after an all-finish
+"""Mutants of speculative decoding: verify input left installed after an all-finish
 step, draft-extend phase confusion, rejected pages kept, stop conditions checked once per
 run, seeds by batch row, positional draft-state filters, draft positions shifted, a wrong
 tree parent, a skipped catch-up, and a Frozen-KV draft that writes KV."""
@@ -10,8 +10,9 @@ from dataclasses import replace
 import torch
 
 from conformance.backends.mutants.lifecycle import _finish_reason_without
-from conformance.backends.mutants.tables import with_draft, with_worker
+from conformance.backends.mutants.tables import with_draft, with_drafter
 from refengine import Engine
+from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.memory.kv_pool import KVPool
 from refengine.memory.manager import KVManager
 from refengine.model.attention import AttentionMetadata
@@ -20,30 +21,30 @@ from refengine.model.llama import ForwardBatch
 from refengine.output import OutputProcessor
 from refengine.request import FinishReason, Req
 from refengine.runner import ModelRunner
-from refengine.speculative.draft_model import DraftModelWorker
+from refengine.speculative.core import SpeculativeWorker
+from refengine.speculative.draft_model import DraftModelDrafter
 from refengine.speculative.draft_search import Candidates, LoopOutput
-from refengine.speculative.draft_state import DraftState
-from refengine.speculative.eagle_v1 import EagleV1Worker
-from refengine.speculative.frozen_kv_mtp import FrozenKVMTPWorker
+from refengine.speculative.draft_state import DraftState, RowState
+from refengine.speculative.drafter import DraftStep
+from refengine.speculative.eagle import EagleDrafter
 from refengine.speculative.inputs import (
     CatchUpInput,
     DraftExtendInput,
     DraftInput,
-    SeedInput,
     VerifyInput,
 )
 from refengine.speculative.verify import SampledPath
 
-# --- speculative decoding (EAGLE V1) -------------------------------------------------------------
+# --- speculative decoding ---------------------------------------------------------------------
 
-class _LeavesVerifyInput(EagleV1Worker):
-    """Over any V1-style worker (EAGLE's, Frozen-KV MTP's): when nothing is left to extend,
-    the step's verify input stays installed instead of an idle state."""
+class _LeavesVerifyInput(SpeculativeWorker):
+    """Under any drafter (EAGLE's, Frozen-KV MTP's): when nothing is left to extend, the
+    step's verify input stays installed instead of an idle state."""
 
     last_verify_input: VerifyInput | None = None
 
-    def draft(self, reqs: list[Req], din: DraftInput | SeedInput) -> VerifyInput:
-        self.last_verify_input = super().draft(reqs, din)  # type: ignore[arg-type]
+    def draft(self, reqs: list[Req], state: RowState) -> VerifyInput:
+        self.last_verify_input = super().draft(reqs, state)
         return self.last_verify_input
 
     def install_next(self, reqs: list[Req], extend_input: DraftExtendInput) -> None:
@@ -57,11 +58,7 @@ class AllFinishLeavesVerifyInput(Engine):
     """All-finish-in-verify: when every request finishes inside verify, the verify input stays
     installed as the batch's spec state; the next merge finds no ``merge_batch`` and crashes."""
 
-    worker_classes = with_worker("eagle", _LeavesVerifyInput)
-
-
-class _MTPLeavesVerifyInput(_LeavesVerifyInput, FrozenKVMTPWorker):
-    pass
+    worker_class = _LeavesVerifyInput
 
 
 class _DraftWritesTargetKV(FrozenKVMTPDraftModel):
@@ -90,23 +87,25 @@ class MTPAllFinishLeavesVerifyInput(Engine):
     idle seed is installed (the verify input stays); the next merge finds no ``merge_batch``
     and crashes."""
 
-    worker_classes = with_worker("frozen_kv_mtp", _MTPLeavesVerifyInput)
+    worker_class = _LeavesVerifyInput
 
 
-class _ExtendPhaseConfusion(EagleV1Worker):
-    def draft_extend(self, reqs: list[Req], ext: DraftExtendInput) -> DraftInput:
-        din = super().draft_extend(reqs, ext)
-        last = torch.cumsum(ext.accept_lens, 0) - 1
+class _ExtendPhaseConfusion(EagleDrafter):
+    def extend(self, step: DraftStep, accepted: DraftExtendInput,
+               graph: DraftLoopGraph | None) -> DraftInput:
+        state = super().extend(step, accepted, graph)
+        last = torch.cumsum(accepted.accept_lens, 0) - 1
         # The per-accepted-token target features (draft-extend phase) reused as the next draft
         # phase's hidden state: shapes line up, meaning does not.
-        return DraftInput(din.topk_p, din.topk_index, ext.hidden_states[last], din.verified_id)
+        return DraftInput(state.topk_p, state.topk_index, accepted.hidden_states[last],
+                          state.verified_id)
 
 
 class DraftExtendPhaseConfusion(Engine):
     """Phase confusion: the draft-extend phase's per-token target features stand in for the draft's
     predicted feature in the next draft phase. Still lossless; acceptance collapses."""
 
-    worker_classes = with_worker("eagle", _ExtendPhaseConfusion)
+    drafter_classes = with_drafter("eagle", _ExtendPhaseConfusion)
 
 
 class _KeepsRejectedPages(KVManager):
@@ -159,18 +158,18 @@ class StopStringAtRunEnd(Engine):
     output_class = _StopStringsAtRunEnd
 
 
-class _SeedsByBatchRow(EagleV1Worker):
-    def sample_path(self, req: Req, vin: VerifyInput, row: int, probs: torch.Tensor
+class _SeedsByBatchRow(SpeculativeWorker):
+    def sample_path(self, req: Req, verify_input: VerifyInput, row: int, probs: torch.Tensor
                     ) -> SampledPath:
         # BUG: the verify draws are seeded by the request's row in the batch, not by its seed.
-        return super().sample_path(replace(req, seed=row), vin, row, probs)
+        return super().sample_path(replace(req, seed=row), verify_input, row, probs)
 
 
 class SeedByBatchRow(Engine):
     """Speculative sampling seeds its draws with the request's row in the verify batch instead
     of the request's seed: the same seed gives other tokens in another batch composition."""
 
-    worker_classes = with_worker("eagle", _SeedsByBatchRow)
+    worker_class = _SeedsByBatchRow
 
 
 class _PositionalFilter(DraftState):
@@ -179,7 +178,7 @@ class _PositionalFilter(DraftState):
             self._keep(list(range(len(self.rids) - 1)))
 
 
-class _PositionalFilterWorker(EagleV1Worker):
+class _PositionalFilterWorker(SpeculativeWorker):
     draft_state_class = _PositionalFilter
 
 
@@ -187,7 +186,7 @@ class RetractFilterPositional(Engine):
     """A retracted request's draft row is dropped by truncating the batch (sglang's "filter
     can only filter from the back" assumption): rows after a retracted middle request shift."""
 
-    worker_classes = with_worker("eagle", _PositionalFilterWorker)
+    worker_class = _PositionalFilterWorker
 
 
 class _DraftPositionsShifted(ModelRunner):
@@ -219,7 +218,7 @@ def reparent_to_best(parents: torch.Tensor, scores: torch.Tensor, k: int) -> tor
     return out
 
 
-class _WrongParentTree(EagleV1Worker):
+class _WrongParentTree(SpeculativeWorker):
     def to_verify_input(self, reqs: list[Req], root_tokens: torch.Tensor, found: LoopOutput
                         ) -> VerifyInput:
         if isinstance(found, Candidates):
@@ -233,12 +232,13 @@ class TreeWrongParent(Engine):
     node of its parent's step): the tree is consistent, so verification stays lossless, but the
     draft tokens are checked in contexts they were not drafted for and acceptance drops."""
 
-    worker_classes = with_worker("eagle", _WrongParentTree)
+    worker_class = _WrongParentTree
 
 
-class _CatchUpSkipped(DraftModelWorker):
-    def draft_extend(self, reqs: list[Req], ext: DraftExtendInput) -> CatchUpInput:
-        caught = super().draft_extend(reqs, ext)
+class _CatchUpSkipped(DraftModelDrafter):
+    def extend(self, step: DraftStep, accepted: DraftExtendInput,
+               graph: DraftLoopGraph | None) -> CatchUpInput:
+        caught = super().extend(step, accepted, graph)
         return CatchUpInput(caught.verified_id, torch.zeros_like(caught.behind))
 
 
@@ -247,4 +247,4 @@ class DraftCatchUpSkipped(Engine):
     that position keeps no draft KV, and later drafts attend to a hole. Verification is
     untouched (lossless); acceptance drops after every fully accepted step."""
 
-    worker_classes = with_worker("draft_model", _CatchUpSkipped)
+    drafter_classes = with_drafter("draft_model", _CatchUpSkipped)

@@ -73,6 +73,8 @@ def decode_batch(probe: ProbeWorld, runner: Batcher, reqs: list[Req], seed: int
     """One new token per request at its committed end."""
     vocab = probe.vocab_size
     ids = [(7 * r.kv_committed_len + 11 + 13 * seed) % (vocab - 1) + 1 for r in reqs]
+    for r in reqs:
+        probe.kv.extend(r, 1)  # what the scheduler allocates for a decode step
     return runner.prepare_extend(reqs, [1] * len(reqs), ids, list(range(len(reqs))))
 
 
@@ -186,8 +188,8 @@ class DraftLoopKind:
         din = self.inputs(probe, reqs, seed)
         targets = torch.empty((0,), dtype=torch.int64)
         if self.writes_kv:  # the scratch slots drafting will take (handed back right away)
-            with worker.scratch(reqs, loop.topk * (loop.steps - 1)) as slots:
-                targets = slots.reshape(-1).clone()
+            slots = worker.scratch_slots(reqs, loop.topk * (loop.steps - 1))
+            targets = slots.reshape(-1).clone()
         if mode == "eager":
             return Prepared(lambda: loop_outputs(worker.eager_search(reqs, din)), targets,
                             len(reqs))

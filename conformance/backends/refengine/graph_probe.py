@@ -16,7 +16,7 @@ back to it). The kinds are the table in ``graph_kinds.py``.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,7 +38,7 @@ from conformance.contract import GraphCase, GraphRun, Mode, PaddingPolicy
 from refengine.graph.runner import GraphRunner
 from refengine.graph.staging import DUMMY_ROW, DUMMY_SLOT
 from refengine.request import Req
-from refengine.speculative.eagle_v1 import EagleV1Worker
+from refengine.speculative.core import SpeculativeWorker
 
 if TYPE_CHECKING:
     from refengine.engine import Engine
@@ -75,7 +75,7 @@ class RefGraphProbe(ProbeWorld):
         worker = engine.worker
         return cls(runner, graphs, make,
                    REPLAY_TOLERANCE if executor == "replay" else COMPILED_TOLERANCE,
-                   worker if isinstance(worker, EagleV1Worker) else None)
+                   worker if isinstance(worker, SpeculativeWorker) else None)
 
     # --- the protocol -------------------------------------------------------------------------
 
@@ -127,7 +127,10 @@ class RefGraphProbe(ProbeWorld):
         """A draft kind's requests as the worker drafts them (a V2 worker: reserved and
         rooted); left before ``requests`` rolls their allocations back."""
         if isinstance(kind, (DraftLoopKind, DraftExtendKind)) and self.worker is not None:
-            return self.worker.drafting_from_committed_end(reqs)
+            stack = ExitStack()
+            stack.enter_context(self.worker.drafting_from_committed_end(reqs))
+            stack.enter_context(self.kv.reserved(reqs, self.worker.reservation))
+            return stack
         return nullcontext()
 
     def digests(self, targets: torch.Tensor, kind: str) -> dict[str, str]:

@@ -26,7 +26,7 @@ from refengine.memory.allocator import AllocatorState
 from refengine.model.llama import ForwardBatch, ForwardOutput
 from refengine.request import Req
 from refengine.runner import ModelRunner
-from refengine.speculative.eagle_v1 import EagleV1Worker
+from refengine.speculative.core import SpeculativeWorker
 
 # How a poisoned run fills the tail of every static buffer before staging: out-of-range
 # integers ("huge", "negative"), or what an earlier, bigger batch would have left there: a
@@ -80,7 +80,7 @@ class ProbeWorld:
 
     def __init__(self, runner: ModelRunner, graphs: Mapping[str, GraphRunner] | None = None,
                  make_graph: Callable[[], GraphRunner] | None = None,
-                 tolerance: float = REPLAY_TOLERANCE, worker: EagleV1Worker | None = None
+                 tolerance: float = REPLAY_TOLERANCE, worker: SpeculativeWorker | None = None
                  ) -> None:
         self.runner = runner
         self.worker = worker  # a speculative engine's worker: its draft loop is a kind too
@@ -183,6 +183,8 @@ class ProbeWorld:
         lens = [len(r.prompt_ids) for r in reqs]
         ids = [t for r in reqs for t in r.prompt_ids]
         ends = [sum(lens[:i + 1]) - 1 for i in range(len(lens))]
+        for r, n in zip(reqs, lens, strict=True):
+            self.kv.extend(r, n)
         self.runner.forward(self.runner.prepare_extend(reqs, lens, ids, ends))
         for r, n in zip(reqs, lens, strict=True):
             self.kv.commit(r, n)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from conformance.contract.worker_hooks import PhaseRecord
-from refengine.speculative.eagle_v1 import VerifyOutcome
+from refengine.speculative.accept import VerifyOutcome
 
 
 def describe(phase: str, obj: Any, rids: tuple[str, ...] = ()) -> PhaseRecord:

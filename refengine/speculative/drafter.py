@@ -1,0 +1,70 @@
+"""Drafter: what a speculative algorithm's draft side must provide to the verify core.
+
+A drafter proposes the tokens a decode step verifies and keeps per-request state between steps
+(a ``RowState``: EAGLE's ``DraftInput``, Frozen-KV MTP's ``SeedInput``, a standalone draft
+model's ``CatchUpInput``); the core (``SpeculativeWorker``) owns that state's rows, the verify
+forward, the accept rule and the overlap mode. A drafter runs forwards only through the
+``ModelRunner`` and writes KV only into the reserved slots a ``DraftStep`` hands it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+import torch
+
+from refengine.model.llama import ForwardBatch
+from refengine.request import Req
+from refengine.speculative.draft_search import LoopOutput
+from refengine.speculative.inputs import DraftExtendInput
+
+if TYPE_CHECKING:
+    from refengine.graph.draft_loop import DraftLoopGraph
+
+State = TypeVar("State")
+
+
+@dataclass(frozen=True)
+class DraftStep:
+    """One decode step's requests as a drafter sees them: each request's root position (the
+    newest emitted token, whose KV the verify writes) and ``slots(tokens)``, the
+    ``[len(reqs), tokens]`` reserved slots from each root on."""
+
+    reqs: list[Req]
+    roots: list[int]
+    slots: Callable[[int], torch.Tensor]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return torch.tensor([r.row for r in self.reqs], dtype=torch.int64)
+
+
+class Drafter(Protocol[State]):
+    @property
+    def scratch_positions(self) -> int:
+        """Draft KV positions past the root a step writes besides the verify block."""
+
+    def idle(self) -> State:
+        """A state with zero rows (what a batch with no decoding request holds)."""
+
+    def prefill(self, reqs: list[Req], lens: list[int], batch: ForwardBatch,
+                features: torch.Tensor, sampled: dict[str, int]) -> State:
+        """After a target prefill (before its KV is committed): the rows of the requests whose
+        fill completed (``sampled``: their token just sampled), in batch order."""
+
+    def root_tokens(self, state: State) -> torch.Tensor:
+        """Each row's root token (the verify tree's node 0)."""
+
+    def graph_search(self, step: DraftStep, state: State, loop: DraftLoopGraph
+                     ) -> LoopOutput | None:
+        """The step's draft replayed by ``loop``; None when it does not take the batch."""
+
+    def eager_search(self, step: DraftStep, state: State) -> LoopOutput:
+        """The step's draft, forward by forward: a chain's tokens or a beam's candidates."""
+
+    def extend(self, step: DraftStep, accepted: DraftExtendInput,
+               graph: DraftLoopGraph | None) -> State:
+        """After verify: the next state of ``step``'s requests from their accepted runs
+        (``graph``: an extend graph to replay, where the drafter has one)."""
