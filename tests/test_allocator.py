@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,7 +14,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from refengine.memory.allocator import AllocatorState, DoubleFreeError, TokenAllocator
+from refengine.memory.allocator import DoubleFreeError, TokenAllocator
 from refengine.memory.req_to_token import ReqToTokenPool
 
 
@@ -101,37 +99,6 @@ def test_rejected_free_changes_nothing(bad: list[int]) -> None:
     assert free_set(alloc) == {1, 2, 3, 4}
 
 
-def test_scratch_returns_exact_free_list() -> None:
-    alloc = TokenAllocator(num_pages=8, page_size=4)
-    held = alloc.alloc_pages(2)
-    before = alloc.backup_state()
-    with alloc.scratch():
-        scratch = alloc.alloc_pages(3)
-        assert scratch is not None and not set(scratch) & set(held or [])
-    assert alloc.backup_state() == before
-    assert alloc.free_page_count == 5
-    with pytest.raises(DoubleFreeError):
-        alloc.free_pages(scratch[:1])  # scratch pages are free again
-    alloc.free_pages(held or [])
-    assert alloc.free_page_count == 7
-
-
-def test_scratch_undoes_on_error_and_refuses_frees_and_nesting() -> None:
-    alloc = TokenAllocator(num_pages=8, page_size=1)
-    held = alloc.alloc_pages(1) or []
-    before = alloc.backup_state()
-    with pytest.raises(ValueError, match="boom"), alloc.scratch():
-        alloc.alloc_pages(2)
-        raise ValueError("boom")
-    assert alloc.backup_state() == before
-    with alloc.scratch():
-        with pytest.raises(RuntimeError, match="inside a scratch"):
-            alloc.free_pages(held)
-        with pytest.raises(RuntimeError, match="do not nest"), alloc.scratch():
-            pass
-    assert alloc.backup_state() == before
-
-
 # --- Hypothesis: random alloc / free / backup / restore sequences -----------------------------
 
 
@@ -144,7 +111,6 @@ class AllocatorMachine(RuleBasedStateMachine):
         super().__init__()
         self.alloc: TokenAllocator | None = None
         self.held: set[int] = set()
-        self.scratch: tuple[AbstractContextManager[None], AllocatorState, set[int]] | None = None
 
     @rule(num_pages=st.integers(2, 24), page_size=st.sampled_from([1, 2, 4, 16]))
     @precondition(lambda self: self.alloc is None)
@@ -171,15 +137,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(pages=consumes(held_pages))
     def free_some(self, pages: list[int]) -> None:
         assert self.alloc is not None
-        live = [p for p in pages if p in self.held]  # a scratch exit may have reclaimed some
-        if self.scratch is not None:
-            before = self.alloc.backup_state()
-            with pytest.raises(RuntimeError, match="inside a scratch"):
-                self.alloc.free_pages(live)
-            assert self.alloc.backup_state() == before
-            return
-        self.alloc.free_pages(live)
-        self.held -= set(live)
+        self.alloc.free_pages(pages)
+        self.held -= set(pages)
 
     @rule(page=st.integers(-2, 30))
     @precondition(lambda self: self.alloc is not None)
@@ -188,29 +147,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         if page in self.held:
             return
         before = self.alloc.backup_state()
-        expected = ((RuntimeError, "inside a scratch") if self.scratch
-                    else (DoubleFreeError, "freed twice"))
-        with pytest.raises(expected[0], match=expected[1]):
+        with pytest.raises(DoubleFreeError, match="freed twice"):
             self.alloc.free_pages([page])
         assert self.alloc.backup_state() == before
-
-    @rule()
-    @precondition(lambda self: self.alloc is not None and self.scratch is None)
-    def enter_scratch(self) -> None:
-        assert self.alloc is not None
-        bracket = self.alloc.scratch()
-        bracket.__enter__()
-        self.scratch = (bracket, self.alloc.backup_state(), set(self.held))
-
-    @rule()
-    @precondition(lambda self: self.scratch is not None)
-    def exit_scratch(self) -> None:
-        assert self.alloc is not None and self.scratch is not None
-        bracket, state, held = self.scratch
-        bracket.__exit__(None, None, None)
-        assert self.alloc.backup_state() == state
-        self.held = set(held)
-        self.scratch = None
 
     @invariant()
     def conservation(self) -> None:
@@ -228,22 +167,6 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
-
-
-@settings(max_examples=60, deadline=None)
-@given(num_pages=st.integers(2, 32), data=st.data())
-def test_scratch_exit_returns_free_set(num_pages: int, data: st.DataObject) -> None:
-    alloc = TokenAllocator(num_pages, page_size=2)
-    alloc.alloc_pages(data.draw(st.integers(0, num_pages - 1)))
-    state = alloc.backup_state()
-    with alloc.scratch():
-        for _ in range(data.draw(st.integers(0, 5))):
-            alloc.alloc_pages(data.draw(st.integers(0, num_pages)))
-    assert alloc.backup_state() == state
-    assert free_set(alloc) == set(state.free_pages)
-    # Returned pages are really free: allocating all of them succeeds, then nothing is left.
-    assert sorted(alloc.alloc_pages(len(state.free_pages)) or []) == sorted(state.free_pages)
-    assert alloc.alloc_pages(1) is None
 
 
 # --- ReqToTokenPool ---------------------------------------------------------------------------

@@ -27,7 +27,7 @@ ALLOWED = ("scheduler.py", "output.py", "memory/")
 MUTATORS = {
     "kv": {"assign_row", "extend", "commit", "commit_path", "truncate", "reserve", "reserved",
            "unclaim", "release", "retract", "lend", "keep", "free_kept", "scoring"},
-    "allocator": {"alloc_pages", "free_pages", "scratch"},
+    "allocator": {"alloc_pages", "free_pages"},
     "rows": {"alloc_row", "free_row"},
 }
 WRITTEN_FIELDS = {"kv_committed_len", "kv_allocated_len", "row", "cached_prefix"}

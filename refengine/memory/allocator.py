@@ -4,16 +4,12 @@ Invariants (checked, not assumed):
 - page 0 (slots ``0 .. page_size-1``) is a reserved dummy: never handed out, never freed, so a
   padded row of a graph replay can point there harmlessly;
 - every other page is either in the free list or owned by exactly one holder; freeing a page
-  that is already free (a double free) raises instead of corrupting the free list;
-- ``scratch()`` brackets temporary allocations: everything allocated inside returns to the
-  free list on exit, in the original order. It undoes only what happened inside (O(pages
-  allocated)), not by restoring a snapshot of the whole free list (``backup_state``, O(pool)).
+  that is already free (a double free) raises instead of corrupting the free list.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -37,7 +33,6 @@ class TokenAllocator:
         # A stack whose top is the lowest page id, so allocation order is deterministic.
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
         self._is_free = bytearray([0]) + bytearray([1]) * (num_pages - 1)
-        self._scratch: list[int] | None = None  # pages allocated inside scratch(), in order
 
     @property
     def capacity_slots(self) -> int:
@@ -58,17 +53,12 @@ class TokenAllocator:
         pages = [self._free.pop() for _ in range(count)]
         for page in pages:
             self._is_free[page] = 0
-        if self._scratch is not None:
-            self._scratch.extend(pages)
         return pages
 
     def free_pages(self, pages: Sequence[int]) -> None:
         # Validate the whole call before changing anything: a rejected free (a page already
         # free, repeated within ``pages``, or out of range) must leave the allocator as it was,
         # not with earlier pages marked free yet missing from the free list (leaked for good).
-        if self._scratch is not None:
-            # Scratch pages go back all at once on exit; a free inside would break the undo.
-            raise RuntimeError("free_pages inside a scratch() bracket")
         seen: set[int] = set()
         for page in pages:
             if not 0 < page < self.num_pages or self._is_free[page] or page in seen:
@@ -79,21 +69,7 @@ class TokenAllocator:
             self._is_free[page] = 1
         self._free.extend(reversed(pages))
 
-    @contextmanager
-    def scratch(self) -> Iterator[None]:
-        """Allocate freely inside; on exit (normal or not) every page allocated inside is free
-        again and the free list is exactly as it was on entry. Not re-entrant."""
-        if self._scratch is not None:
-            raise RuntimeError("scratch() brackets do not nest")
-        self._scratch = []
-        try:
-            yield
-        finally:
-            pages, self._scratch = self._scratch, None
-            for page in reversed(pages):  # the first page popped ends on top again
-                self._is_free[page] = 1
-                self._free.append(page)
-
     def backup_state(self) -> AllocatorState:
-        """A snapshot of the free list (for comparisons: the scratch bracket undoes itself)."""
+        """A snapshot of the free list, for comparisons (a probe or test that must leave the
+        allocator exactly as it found it)."""
         return AllocatorState(tuple(self._free), bytes(self._is_free))
