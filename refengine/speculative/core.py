@@ -92,11 +92,6 @@ class SpeculativeWorker:
     def draft_step(self, reqs: list[Req]) -> DraftStep:
         return DraftStep(reqs, self.roots(reqs), lambda tokens: self.reserved_slots(reqs, tokens))
 
-    def scratch_slots(self, reqs: list[Req], tokens: int) -> torch.Tensor:
-        """Draft KV slots for ``tokens`` positions past each root (the graph probe's
-        targets)."""
-        return self.reserved_slots(reqs, tokens)
-
     @contextmanager
     def drafting_from_committed_end(self, reqs: list[Req]) -> Iterator[None]:
         """Lets ``reqs`` (committed, in no step) draft one step from their committed end, as

@@ -104,11 +104,11 @@ def verify_batch(probe: ProbeWorld, runner: Batcher, reqs: list[Req], seed: int,
     for i in range(1, n):
         depth[i] = depth[parents[i]] + 1
     minus = torch.full((b, n), -1, dtype=torch.int64)
-    vin = VerifyInput(tokens, tree_mask(parents).expand(b, n, n).clone(),
+    verify_input = VerifyInput(tokens, tree_mask(parents).expand(b, n, n).clone(),
                       start[:, None] + torch.tensor(depth), minus, minus, minus, minus)
     slots = torch.stack([probe.kv.extend(r, n) for r in reqs]) if reqs else \
         torch.empty((0, n), dtype=torch.int64)
-    return runner.prepare_verify(reqs, vin, slots, causal)
+    return runner.prepare_verify(reqs, verify_input, slots, causal)
 
 
 @dataclass(frozen=True)
@@ -185,13 +185,13 @@ class DraftLoopKind:
                 ) -> Prepared:
         worker, loop = probe.worker, probe.draft_loop()
         assert worker is not None and loop is not None
-        din = self.inputs(probe, reqs, seed)
+        draft_input = self.inputs(probe, reqs, seed)
         targets = torch.empty((0,), dtype=torch.int64)
-        if self.writes_kv:  # the scratch slots drafting will take (handed back right away)
-            slots = worker.scratch_slots(reqs, loop.topk * (loop.steps - 1))
+        if self.writes_kv:  # the reserved slots the draft writes its scratch KV into
+            slots = worker.reserved_slots(reqs, loop.topk * (loop.steps - 1))
             targets = slots.reshape(-1).clone()
         if mode == "eager":
-            return Prepared(lambda: loop_outputs(worker.eager_search(reqs, din)), targets,
+            return Prepared(lambda: loop_outputs(worker.eager_search(reqs, draft_input)), targets,
                             len(reqs))
         key = loop.key(len(reqs), torch.tensor([r.kv_committed_len for r in reqs]))
         if key is None:
@@ -200,7 +200,7 @@ class DraftLoopKind:
                                "eager would prove nothing")
 
         def execute() -> dict[str, torch.Tensor]:
-            found = worker.graph_search(reqs, din, loop)  # type: ignore[arg-type]
+            found = worker.graph_search(reqs, draft_input, loop)  # type: ignore[arg-type]
             assert found is not None
             return loop_outputs(found)
 
@@ -237,9 +237,9 @@ class DraftExtendKind:
             graph.staging.buffers["hidden"].dtype)
         targets = torch.cat([probe.kv.rows.table[r.row, e - a:e] for r, e, a
                              in zip(reqs, ends.tolist(), lens.tolist(), strict=True)])
-        ext = DraftExtendInput(hidden, ids, lens)
+        accepted = DraftExtendInput(hidden, ids, lens)
         if mode == "eager":
-            return Prepared(lambda: extend_outputs(worker.eager_extend(reqs, ext)), targets,
+            return Prepared(lambda: extend_outputs(worker.eager_extend(reqs, accepted)), targets,
                             len(reqs))
         key = graph.key(len(reqs), ends)
         if key is None:
@@ -248,7 +248,7 @@ class DraftExtendKind:
                                "would prove nothing")
 
         def execute() -> dict[str, torch.Tensor]:
-            found = worker.graph_extend(reqs, ext, graph)
+            found = worker.graph_extend(reqs, accepted, graph)
             assert found is not None
             return extend_outputs(found)
 

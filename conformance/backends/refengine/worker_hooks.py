@@ -40,18 +40,18 @@ class RefEngineWorkerHooks:
         draft, verify, extend = worker.draft, worker.verify, worker.extend_input
         add, install = state.add, state.install
 
-        def traced_draft(reqs, din):  # type: ignore[no-untyped-def]
-            vin = draft(reqs, din)
-            self.trace.append(describe("draft", vin, tuple(r.rid for r in reqs)))
-            return vin
+        def traced_draft(reqs, draft_input):  # type: ignore[no-untyped-def]
+            verify_input = draft(reqs, draft_input)
+            self.trace.append(describe("draft", verify_input, tuple(r.rid for r in reqs)))
+            return verify_input
 
-        def traced_verify(reqs, vin):  # type: ignore[no-untyped-def]
-            return self._force(reqs, verify(reqs, vin))
+        def traced_verify(reqs, verify_input):  # type: ignore[no-untyped-def]
+            return self._force(reqs, verify(reqs, verify_input))
 
         def traced_extend(outcome, keep):  # type: ignore[no-untyped-def]
-            ext = extend(outcome, keep)
-            self.trace.append(describe("verify", ext))
-            return ext
+            accepted = extend(outcome, keep)
+            self.trace.append(describe("verify", accepted))
+            return accepted
 
         def traced_add(rids, rows):  # type: ignore[no-untyped-def]
             self.trace.append(describe("prefill", rows, tuple(rids)))
@@ -70,17 +70,17 @@ class RefEngineWorkerHooks:
 
     def _force(self, reqs: list[Any], outcome: VerifyOutcome) -> VerifyOutcome:
         """Replace a request's path by the tree's first-child chain of the forced length."""
-        vin = outcome.verify_input
+        verify_input = outcome.verify_input
         for i, req in enumerate(reqs):
             if req.rid not in self.forced:
                 continue
             path = [0]
             while len(path) - 1 < self.forced[req.rid]:
-                child = int(vin.retrieve_next_token[i, path[-1]])
+                child = int(verify_input.retrieve_next_token[i, path[-1]])
                 if child < 0:
                     break
                 path.append(child)
-            tokens = [int(vin.draft_tokens[i, j]) for j in path[1:]]
+            tokens = [int(verify_input.draft_tokens[i, j]) for j in path[1:]]
             bonus = outcome.emitted[i][-1]
             outcome.nodes[i], outcome.emitted[i] = path, [*tokens, bonus]
         return outcome
