@@ -19,6 +19,7 @@ from typing import NoReturn
 
 from conformance.bench.command import cmd_bench
 from conformance.checks.commands import cmd_expected, cmd_golden
+from conformance.repro.command import cmd_repro
 from conformance.run.certify import cmd_certify
 from conformance.run.interrupt_redelivery import keep_interrupts
 from conformance.run.mutants import cmd_mutants
@@ -155,6 +156,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also run each lane of a backend claiming graph_runner through its "
                             "graph runner with this executor, in a lane of its own")
     bench.set_defaults(func=cmd_bench)
+
+    repro = sub.add_parser("repro", formatter_class=fmt, help="replay a repro file (a failing "
+                           "check's scenario) against a backend; exit 1 if it diverges")
+    repro.add_argument("file", help="a repro file (docs/repro.md), e.g. "
+                       "<report>/repro/<check-id>.json")
+    repro.add_argument("--backend", default=None,
+                       help="as for certify; unset: the backend the file was recorded on")
+    repro.add_argument("--spec", default=None,
+                       help=f"{' | '.join(SPECS)}: replay every run under this spec's first "
+                            "configuration instead of the recorded one")
+    repro.add_argument("--emit-pytest", default=None, metavar="test_NAME.py",
+                       help="write the scenario as a standalone pytest module (run it with "
+                            "pytest --specgate-backend B) instead of replaying it")
+    repro.set_defaults(func=cmd_repro)
     return parser
 
 

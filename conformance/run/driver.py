@@ -8,6 +8,10 @@ the turn's new tokens) and checks the inherited KV the turn reports: exactly the
 it minus its final token, the previous turn's completion included. A run that stops making
 progress fails instead of hanging.
 
+The driver also keeps what it did (``actions``, with the ``config`` its handle was opened
+with): the run of a repro file (``conformance.repro.scenario``), so a failing check can hand
+back a scenario that replays it.
+
 Every call into the backend goes through ``backend_call``: an exception it raises (or the case
 timeout's, while it runs) carries a note naming the call, e.g. ``during handle.step() call 7;
 live requests: [...]``, so a failure says which call of the backend failed.
@@ -26,10 +30,20 @@ from conformance.contract import (
     EngineHandle,
     Event,
     FinishEvent,
+    OpenConfig,
     Request,
     RetractEvent,
     SamplingParams,
     TokenEvent,
+)
+from conformance.repro.scenario import (
+    Abort,
+    Action,
+    CloseSession,
+    OpenSession,
+    Run,
+    Step,
+    Submit,
 )
 from conformance.run.case_timeout import CaseTimeout
 
@@ -70,11 +84,27 @@ class Driver:
     contexts: dict[str, list[int]] = field(default_factory=dict)  # open session -> context
     turns: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # rid -> (session,
     #                                                                        full prompt)
+    config: OpenConfig | None = None  # what the handle was opened with (for the repro)
+    actions: list[Action] = field(default_factory=list)  # every call, in order
+
+    def _log(self, action: Action) -> None:
+        """Note an action before making it (a call that raises is in the repro); consecutive
+        steps are one ``Step`` with a count."""
+        last = self.actions[-1] if self.actions else None
+        if isinstance(action, Step) and isinstance(last, Step):
+            self.actions[-1] = Step(last.times + 1)
+        else:
+            self.actions.append(action)
+
+    def recorded(self) -> Run:
+        """This driver's run as a repro records it."""
+        return Run(self.config or OpenConfig(), tuple(self.actions))
 
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                session_id: str | None = None) -> None:
         """``session_id``: the turn carries only its new tokens; the backend puts the
         session's context before them."""
+        self._log(Submit(rid, tuple(prompt_ids), params, session_id))
         with self._calling(f"handle.submit({rid!r})"):
             self.handle.submit(Request(rid, tuple(prompt_ids), params, session_id))
         full = list(prompt_ids)
@@ -91,20 +121,24 @@ class Driver:
         return backend_call(f"{what}; live requests: [{shown}]")
 
     def open_session(self, session_id: str) -> None:
+        self._log(OpenSession(session_id))
         with self._calling(f"handle.open_session({session_id!r})"):
             self.handle.open_session(session_id)
         self.contexts[session_id] = []
 
     def close_session(self, session_id: str) -> None:
+        self._log(CloseSession(session_id))
         with self._calling(f"handle.close_session({session_id!r})"):
             self.handle.close_session(session_id)
         del self.contexts[session_id]
 
     def abort(self, rid: str) -> None:
+        self._log(Abort(rid))
         with self._calling(f"handle.abort({rid!r})"):
             self.handle.abort(rid)
 
     def step(self) -> list[Event]:
+        self._log(Step())
         with self._calling(f"handle.step() call {self.steps + 1}"):
             events = self.handle.step()
         self.steps += 1

@@ -30,6 +30,7 @@ from conformance.checks.oracle import ReferenceOracle
 from conformance.contract import Backend, Capabilities, OpenConfig, SpecConfig, unclaimed_reasons
 from conformance.report.certified import config_record
 from conformance.report.progress import tier_of
+from conformance.repro.record import RecordedRuns, write_repro
 from conformance.run.case_timeout import CaseDeadline, default_seconds, native_grace
 from conformance.run.interrupt_redelivery import keep_interrupts
 from conformance.run.native_watchdog import (
@@ -62,6 +63,7 @@ class SuiteContext:
     graph_executor: str | None = None  # --specgate-graphs
     _oracle: ReferenceOracle | None = field(default=None, repr=False)
     _check: pytest.Item | None = field(default=None, repr=False)  # the suite check running now
+    recorded: RecordedRuns = field(default_factory=RecordedRuns)  # its drivers, for a repro
 
     @property
     def prompts(self) -> tuple[PromptCase, ...]:
@@ -115,6 +117,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          + ", four times that with --specgate-graphs compiled or frozen")
     group.addoption("--specgate-results", default=None,
                     help="write per-check results (JSON) here")
+    group.addoption("--specgate-repro-dir", default=None,
+                    help="a failing check writes its scenario to repro/<check-id>.json here "
+                         "(the report directory); unset: no repro files")
 
 
 def _backend_name(config: pytest.Config) -> str:
@@ -201,7 +206,38 @@ def _requirements(item: pytest.Item, spec: SpecChoice) -> list[str]:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("specgate_tier"):
-        context(item.config)._check = item
+        ctx = context(item.config)
+        ctx._check = item
+        ctx.recorded.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """A suite check that failed leaves its scenario (``conformance.repro.record``); the
+    report's properties say where, so the row in the results (on the xdist controller too)
+    can show the command that replays it."""
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    where = item.config.getoption("--specgate-repro-dir")
+    if (not report.failed or report.when == "teardown" or where is None
+            or not item.get_closest_marker("specgate_tier")):
+        return
+    ctx = context(item.config)
+    crash = getattr(report.longrepr, "reprcrash", None)
+    failure = crash.message if crash is not None else str(report.longrepr)[-800:]
+    report.user_properties.extend(write_repro(
+        ctx.recorded, Path(where), report.nodeid, failure[:2000], ctx.backend_name,
+        ctx.backend).items())
+
+
+@pytest.fixture(scope="session")
+def specgate_backend(request: pytest.FixtureRequest) -> Backend:
+    """The backend ``--specgate-backend`` names (default $SPECGATE_BACKEND or refengine): what
+    a regression repro module (``specgate repro --emit-pytest``) replays its scenario on."""
+    try:
+        return load_backend(_backend_name(request.config))
+    except BackendError as err:
+        raise pytest.UsageError(str(err)) from None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -285,6 +321,9 @@ class ResultCollector:
             "requires": props.get("specgate_requires", ""), "outcome": outcome,
             "duration": round(report.duration, 3), "message": message,
             "figures": {k: v for k, v in props.items() if not k.startswith("specgate_")}}
+        if "specgate_repro" in props:
+            self.rows[report.nodeid]["repro"] = props["specgate_repro"]
+            self.rows[report.nodeid]["repro_reproduces"] = props["specgate_repro_reproduces"]
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when not in ("setup", "call", "teardown"):

@@ -66,10 +66,14 @@ def open_driver(sg: SuiteContext, spec: SpecConfig | Literal["first"] | None = "
     """A fresh engine instance of the backend under test. ``spec``: a configuration of the
     spec being certified; by default its first one."""
     chosen = sg.spec.configs[0] if spec == "first" else spec
+    config = sg.open_config(chosen, **limits)
     with backend_call("backend.open()"):
-        handle = sg.backend.open(sg.open_config(chosen, **limits))
+        handle = sg.backend.open(config)
     try:
-        yield Driver(handle, sg.caps, overlap=chosen is not None and chosen.overlap)
+        driver = Driver(handle, sg.caps, overlap=chosen is not None and chosen.overlap,
+                        config=config)
+        sg.recorded.drivers.append(driver)  # a failing check leaves their repro
+        yield driver
     finally:
         with backend_call("handle.close()"):
             handle.close()

@@ -1,0 +1,305 @@
+"""Replay a scenario against a backend and find its first divergence.
+
+Each run opens the backend with its recorded ``OpenConfig`` and applies the actions through the
+suite's ``Driver`` (so the invariants after every step are the suite's own); every greedy
+request's tokens are compared with the reference's as they stream, so the divergence found is
+the first one in time, at the step that produced it. A token that differs where the reference
+is at a near-tie for the backend's declared precision ends that request's comparison, as in
+the lossless tier. After its actions a run steps until every request has finished (and must
+end idle); the finish reason must agree with where the reference's output ends.
+
+``ActionRunner`` is shared with the fuzz tier, which applies the actions its state machine
+chooses the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from conformance.checks.invariants import InvariantError
+from conformance.checks.oracle import NEAR_TIE_EPSILON, ReferenceOracle
+from conformance.contract import (
+    Backend,
+    Capabilities,
+    FinishEvent,
+    MemoryView,
+    SamplingParams,
+    TokenEvent,
+)
+from conformance.repro.scenario import (
+    Abort,
+    Action,
+    CloseSession,
+    OpenSession,
+    Run,
+    Scenario,
+    Step,
+    Submit,
+    describe,
+)
+from conformance.run.case_timeout import CaseTimeout
+from conformance.run.driver import Driver, backend_call
+from conformance.run.requests import context_limit
+
+
+class NotApplicable(ValueError):
+    """The backend does not claim what the scenario needs; one line naming it."""
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a replay first went wrong, as one block of text (``describe``)."""
+
+    run: int
+    action_index: int       # into the run's actions; -1: opening the backend;
+    #                         len(actions): the steps that run it to completion
+    action: str
+    step: int               # the step it went wrong in (or the last one before the action)
+    rid: str | None
+    expected: str
+    came: str
+    memory_before: str | None = None
+    memory_after: str | None = None
+
+    def describe(self) -> str:
+        where = ("opening the backend" if self.action_index < 0 else
+                 f"actions[{self.action_index}] ({self.action})")
+        lines = [f"first divergence: run {self.run}, {where}, step {self.step}"
+                 + (f", request {self.rid!r}" if self.rid else ""),
+                 f"  expected: {self.expected}", f"  came:     {self.came}"]
+        if self.memory_before is not None or self.memory_after is not None:
+            lines += [f"  memory before: {self.memory_before or '(not read)'}",
+                      f"  memory after:  {self.memory_after or '(not read)'}"]
+        return "\n".join(lines)
+
+
+class Diverged(AssertionError):
+    """Raised by ``ActionRunner``; the message is the divergence block."""
+
+    def __init__(self, divergence: Divergence) -> None:
+        super().__init__(divergence.describe())
+        self.divergence = divergence
+
+
+def show_memory(view: MemoryView) -> str:
+    rows = ", ".join(f"{rid}: {kv.committed}/{kv.allocated} {kv.phase}"
+                     for rid, kv in sorted(view.requests.items()))
+    return (f"capacity {view.capacity}, free {view.free}, held {view.held}, page "
+            f"{view.page_size}; rows {view.rows_capacity - view.rows_free - view.rows_held}"
+            f"/{view.rows_capacity} in use; requests (committed/allocated): {rows or 'none'}")
+
+
+def requirements(run: Run) -> list[str]:
+    """The capabilities a run needs of a backend (as ``Capabilities.claims`` names them)."""
+    spec = run.config.spec
+    needs = [f"algorithm:{spec.algorithm if spec else 'none'}"]
+    if spec is not None and spec.topk > 1:
+        needs.append("tree")
+    if spec is not None and spec.overlap:
+        needs.append("overlap")
+    if run.config.retract_every:
+        needs.append("forced_retract")
+    if run.config.graph_executor:
+        needs.append("graph_runner")
+    ops = {type(a) for a in run.actions}
+    if Abort in ops:
+        needs.append("abort")
+    if ops & {OpenSession, CloseSession}:
+        needs.append("sessions")
+    return needs
+
+
+@dataclass
+class _Watched:
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    want: list[int] | None = None  # the reference's greedy output, once asked for
+    tied: bool = False             # a near-tie ended its comparison
+
+
+@dataclass
+class ActionRunner:
+    """Applies actions to one engine instance, checking as it goes; raises ``Diverged``."""
+
+    driver: Driver
+    oracle: ReferenceOracle
+    epsilon: float
+    run: int = 0
+    index: int = 0  # of the action being applied
+    near_ties: list[str] = field(default_factory=list)
+    _watched: dict[str, _Watched] = field(default_factory=dict)
+    _label: str = ""                 # the action being applied, as the divergence names it
+    _before: str | None = None       # the memory view before it
+    _step_no: int = 0                # the step it is in (a step) or after (any other action)
+
+    @classmethod
+    def open(cls, backend: Backend, caps: Capabilities, run: Run, oracle: ReferenceOracle,
+             number: int = 0) -> ActionRunner:
+        try:
+            with backend_call("backend.open()"):
+                handle = backend.open(run.config)
+        except Exception as err:
+            raise Diverged(Divergence(number, -1, "open the backend", 0, None,
+                                      "the backend opens with the run's config",
+                                      _raised(err))) from err
+        spec = run.config.spec
+        driver = Driver(handle, caps, overlap=spec is not None and spec.overlap,
+                        config=run.config)
+        return cls(driver, oracle, NEAR_TIE_EPSILON[caps.precision], number)
+
+    def close(self) -> None:
+        try:
+            with backend_call("handle.close()"):
+                self.driver.handle.close()
+        except Exception as err:
+            raise Diverged(Divergence(self.run, self.index, "close the backend",
+                                      self.driver.steps, None, "the handle closes",
+                                      _raised(err))) from err
+
+    def _memory(self) -> str | None:
+        if not self.driver.caps.memory_view:
+            return None
+        try:
+            return show_memory(self.driver.handle.memory())
+        except Exception as err:  # the block still shows what the failing call was
+            return f"(memory() raised {_raised(err)})"
+
+    def apply(self, action: Action, label: str = "") -> None:
+        self._label = label or describe(action)
+        self._before = None if isinstance(action, Step) else self._memory()
+        try:
+            if isinstance(action, Step):
+                for _ in range(action.times):
+                    self._step()
+            else:
+                self._call(action)
+        except Diverged:
+            raise
+        except (Exception, CaseTimeout) as err:
+            came = str(err) if isinstance(err, InvariantError) else _raised(err)
+            expected = ("the suite's invariants hold" if isinstance(err, InvariantError)
+                        else "the call returns")
+            self._diverge(getattr(action, "rid", None), expected, came, err)
+        finally:
+            self.index += 1
+
+    def _call(self, action: Action) -> None:
+        d = self.driver
+        self._step_no = d.steps
+        if isinstance(action, Submit):
+            d.submit(action.rid, list(action.prompt_ids), action.params, action.session)
+            full = d.turns[action.rid][1] if action.session else list(action.prompt_ids)
+            self._watched[action.rid] = _Watched(tuple(full), action.params)
+        elif isinstance(action, Abort) and action.rid in d.live:
+            # the contract says nothing of aborting a finished request: a request the recorded
+            # backend still ran may already have finished here
+            d.abort(action.rid)
+        elif isinstance(action, OpenSession):
+            d.open_session(action.session)
+        elif isinstance(action, CloseSession):
+            d.close_session(action.session)
+
+    def _step(self) -> None:
+        self._step_no = self.driver.steps + 1
+        self._before = self._memory()  # the view before this very step
+        for ev in self.driver.step():
+            if isinstance(ev, TokenEvent):
+                self._check_tokens(ev.rid, final=None)
+            elif isinstance(ev, FinishEvent):
+                self._check_tokens(ev.rid, final=ev)
+
+    def drain(self, max_steps: int) -> None:
+        """Step until nothing is live (what every run ends with)."""
+        start = self.driver.steps
+        while self.driver.live:
+            if self.driver.steps - start >= max_steps:
+                self._label = "run to completion"
+                self._diverge(None, "every request finishes", f"no progress after {max_steps} "
+                              f"steps: {sorted(self.driver.live)[:5]} still live")
+            self.apply(Step(), "run to completion")
+            self.index -= 1  # every drain step is the same pseudo-action
+
+    def _check_tokens(self, rid: str, final: FinishEvent | None) -> None:
+        """``rid``'s output so far against the reference; at its finish, also its length and
+        reason."""
+        w = self._watched[rid]
+        got = self.driver.outcomes[rid].output_ids if final else self.driver.streamed[rid]
+        if final is not None and final.reason == "abort":
+            return
+        room = min(w.params.max_new_tokens, context_limit(self.oracle.model) - len(w.prompt))
+        if final is not None and final.reason == "length" and len(got) != room:
+            self._diverge(rid, f"'length' only after {room} tokens (max_new_tokens "
+                          f"{w.params.max_new_tokens}, context limit)",
+                          f"finish 'length' after {len(got)} tokens")
+        if not w.params.greedy or w.tied:
+            return
+        if w.want is None:
+            w.want = self.oracle.greedy(w.prompt, w.params)
+        want = w.want
+        ended = final is not None
+        if got == (want if ended else want[:len(got)]):
+            if ended and len(want) < room and final.reason != "stop":
+                self._diverge(rid, f"finish 'stop' (the reference stops after {len(want)} "
+                              f"of {room} tokens)", f"finish {final.reason!r}")
+            return
+        found = self.oracle.divergence(w.prompt, w.params, list(got), self.epsilon)
+        if found is not None and found.near_tie:
+            w.tied = True
+            self.near_ties.append(f"{rid}@{found.index} margin={found.margin:.3g}")
+            return
+        what = found.describe() if found is not None else "differs"
+        self._diverge(rid, f"the reference's greedy output ({len(want)} tokens)",
+                      f"{len(got)} tokens{' at its finish' if ended else ' so far'}: {what}")
+
+    def _diverge(self, rid: str | None, expected: str, came: str,
+                 cause: BaseException | None = None) -> None:
+        raise Diverged(Divergence(self.run, self.index, self._label, self._step_no, rid,
+                                  expected, came, self._before, self._memory())) from cause
+
+
+def _raised(err: BaseException) -> str:
+    notes = "; ".join(getattr(err, "__notes__", []))
+    return f"{type(err).__name__}: {err}" + (f" ({notes})" if notes else "")
+
+
+def step_allowance(run: Run) -> int:
+    """A generous bound on the steps a run's drain may take."""
+    return 64 + 2 * sum(len(a.prompt_ids) + a.params.max_new_tokens
+                        for a in run.actions if isinstance(a, Submit))
+
+
+def check_applicable(scenario: Scenario, backend_name: str, caps: Capabilities) -> None:
+    for run in scenario.runs:
+        missing = [n for n in requirements(run) if not caps.claims(n)]
+        if missing:
+            raise NotApplicable(f"backend {backend_name!r} does not claim "
+                                f"{', '.join(missing)}, which the scenario needs")
+
+
+def replay(scenario: Scenario, backend: Backend, oracle: ReferenceOracle | None = None
+           ) -> Divergence | None:
+    """The first divergence of ``backend`` from what the scenario checks, or None (clean)."""
+    caps = backend.capabilities()
+    check_applicable(scenario, backend.name, caps)
+    oracles = {oracle.model: oracle} if oracle is not None else {}
+    for number, run in enumerate(scenario.runs):
+        model = run.config.model
+        oracles.setdefault(model, ReferenceOracle(model))
+        try:
+            runner = ActionRunner.open(backend, caps, run, oracles[model], number)
+        except Diverged as err:
+            return err.divergence
+        try:
+            for action in run.actions:
+                runner.apply(action)
+            runner.drain(step_allowance(run))
+        except Diverged as err:
+            with contextlib.suppress(Diverged):  # the first divergence is the one to show
+                runner.close()
+            return err.divergence
+        try:
+            runner.close()
+        except Diverged as err:
+            return err.divergence
+    return None

@@ -1,0 +1,264 @@
+"""The repro file: a deterministic scenario driven through the adapter, as versioned JSON.
+
+A scenario is what one check did to a backend, with nothing of the check's own code: for every
+engine instance it opened (a *run*), the ``OpenConfig`` and the driver's actions in order
+(submit, step, abort, open/close a session; a session turn is a submit naming its session).
+It holds token ids, not text, so any backend with the same tokenizer replays it. What replay
+checks is fixed by the format (``docs/repro.md``): the driver's invariants after every step,
+every greedy request's tokens against the reference as they stream, finish reasons, and that
+each run ends idle. The file also names the check it came from and how that check failed.
+
+``load`` refuses an unknown version, an unknown or missing field and a bad value with one line
+(``ReproFileError``) naming where in the file the problem is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from conformance.contract import OpenConfig, SamplingParams, SpecConfig
+
+VERSION = 1
+FORMAT_KEY = "specgate_repro"
+# What replaying a version-1 file checks; every file states it, so a reader need not know the
+# version's rules (``docs/repro.md``).
+CHECKS = ("invariants after every step", "greedy outputs against the reference as they stream",
+          "finish reasons", "every run ends idle")
+
+
+class ReproFileError(ValueError):
+    """A repro file that cannot be replayed; the message is one line naming where and why."""
+
+
+@dataclass(frozen=True)
+class Submit:
+    rid: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    session: str | None = None  # a session turn: the prompt holds only the turn's new tokens
+
+
+@dataclass(frozen=True)
+class Step:
+    times: int = 1  # consecutive steps, kept as one action
+
+
+@dataclass(frozen=True)
+class Abort:
+    rid: str
+
+
+@dataclass(frozen=True)
+class OpenSession:
+    session: str
+
+
+@dataclass(frozen=True)
+class CloseSession:
+    session: str
+
+
+Action = Submit | Step | Abort | OpenSession | CloseSession
+OPS: dict[str, type[Action]] = {"submit": Submit, "step": Step, "abort": Abort,
+                                "open_session": OpenSession, "close_session": CloseSession}
+OP_OF = {cls: op for op, cls in OPS.items()}
+
+
+def describe(action: Action) -> str:
+    """One line, as the replay's divergence block shows it."""
+    if isinstance(action, Submit):
+        turn = f" as a turn of session {action.session!r}" if action.session else ""
+        return (f"submit {action.rid!r}{turn}: {len(action.prompt_ids)}-token prompt, "
+                f"{action.params}")
+    if isinstance(action, Step):
+        return "step" if action.times == 1 else f"step x{action.times}"
+    if isinstance(action, Abort):
+        return f"abort {action.rid!r}"
+    return f"{OP_OF[type(action)].replace('_', ' ')} {action.session!r}"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One engine instance: opened with ``config``, driven by ``actions``, then run until every
+    request it holds has finished."""
+
+    config: OpenConfig
+    actions: tuple[Action, ...]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    runs: tuple[Run, ...]
+    check: str = ""          # the suite check (or fuzz example) it was recorded from
+    failure: str = ""        # how that check failed, as it said
+    backend: str = ""        # the backend it failed on, as named on the command line
+
+    @property
+    def action_count(self) -> int:
+        return sum(len(r.actions) for r in self.runs)
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+def _action_json(action: Action) -> dict[str, Any]:
+    body = {"op": OP_OF[type(action)], **asdict(action)}
+    if isinstance(action, Submit):
+        body["prompt_ids"] = list(action.prompt_ids)
+        body["params"] = _params_json(action.params)
+        if action.session is None:
+            del body["session"]
+    return body
+
+
+def _params_json(params: SamplingParams) -> dict[str, Any]:
+    """Only what differs from the defaults: a short file, and new defaults stay explicit."""
+    default = SamplingParams()
+    return {f.name: (list(v) if isinstance(v, tuple) else v)
+            for f in fields(params) if (v := getattr(params, f.name)) != getattr(default, f.name)}
+
+
+def _config_json(config: OpenConfig) -> dict[str, Any]:
+    body = asdict(config)
+    body["spec"] = None if config.spec is None else asdict(config.spec)
+    return body
+
+
+def to_json(scenario: Scenario) -> str:
+    doc = {FORMAT_KEY: VERSION, "checks": list(CHECKS), "check": scenario.check,
+           "failure": scenario.failure, "backend": scenario.backend,
+           "runs": [{"config": _config_json(r.config),
+                     "actions": [_action_json(a) for a in r.actions]} for r in scenario.runs]}
+    return json.dumps(doc, indent=1) + "\n"
+
+
+def save(scenario: Scenario, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_json(scenario))
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+def _fields(where: str, body: object, cls: type, required: frozenset[str],
+            extra: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """``body`` as keyword arguments of ``cls``: a JSON object with only its fields."""
+    if not isinstance(body, Mapping):
+        raise ReproFileError(f"{where}: expected an object, got {type(body).__name__}")
+    known = {f.name for f in fields(cls)} | extra
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise ReproFileError(f"{where}: unknown field {unknown[0]!r} (known: "
+                             f"{', '.join(sorted(known))})")
+    missing = sorted(required - set(body))
+    if missing:
+        raise ReproFileError(f"{where}: missing field {missing[0]!r}")
+    return {k: v for k, v in body.items() if k not in extra}
+
+
+def _build(where: str, cls: type, kwargs: dict[str, Any]) -> Any:
+    """``cls(**kwargs)``, its ValueError (which names the field) as one line at ``where``."""
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as err:
+        raise ReproFileError(f"{where}: {err}") from None
+
+
+def _string(where: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ReproFileError(f"{where}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def _token_ids(where: str, value: object) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise ReproFileError(f"{where}: expected a non-empty list of token ids (integers >= 0)")
+    return tuple(value)
+
+
+def _action(where: str, body: object) -> Action:
+    if not isinstance(body, Mapping) or body.get("op") not in OPS:
+        op = body.get("op") if isinstance(body, Mapping) else body
+        raise ReproFileError(f"{where}: unknown op {op!r} (known: {', '.join(OPS)})")
+    cls = OPS[body["op"]]
+    required = frozenset({"rid", "prompt_ids"} if cls is Submit else
+                         set() if cls is Step else {f.name for f in fields(cls)})
+    kwargs = _fields(where, body, cls, required, extra=frozenset({"op"}))
+    if cls is Submit:
+        kwargs["rid"] = _string(f"{where}.rid", kwargs["rid"])
+        kwargs["prompt_ids"] = _token_ids(f"{where}.prompt_ids", kwargs["prompt_ids"])
+        params = _fields(f"{where}.params", kwargs.get("params", {}), SamplingParams,
+                         frozenset())
+        kwargs["params"] = _build(f"{where}.params", SamplingParams, params)
+        if kwargs.get("session") is not None:
+            kwargs["session"] = _string(f"{where}.session", kwargs["session"])
+    elif cls is Step:
+        times = kwargs.get("times", 1)
+        if not isinstance(times, int) or isinstance(times, bool) or times < 1:
+            raise ReproFileError(f"{where}.times: expected an integer >= 1, got {times!r}")
+    else:
+        for name, value in kwargs.items():
+            kwargs[name] = _string(f"{where}.{name}", value)
+    return _build(where, cls, kwargs)
+
+
+def _config(where: str, body: object) -> OpenConfig:
+    kwargs = _fields(where, body, OpenConfig, frozenset({"model"}))
+    spec = kwargs.get("spec")
+    if spec is not None:
+        kwargs["spec"] = _build(f"{where}.spec", SpecConfig,
+                                _fields(f"{where}.spec", spec, SpecConfig, frozenset()))
+    for name, value in kwargs.items():
+        if name == "spec" or value is None or name in ("model", "graph_executor"):
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ReproFileError(f"{where}.{name}: expected an integer >= 0, got {value!r}")
+    kwargs["model"] = _string(f"{where}.model", kwargs["model"])
+    return _build(where, OpenConfig, kwargs)
+
+
+def parse(text: str, source: str = "repro file") -> Scenario:
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ReproFileError(f"{source}: not JSON ({err})") from None
+    if not isinstance(doc, Mapping) or FORMAT_KEY not in doc:
+        raise ReproFileError(f"{source}: not a specgate repro file (no {FORMAT_KEY!r} field)")
+    if doc[FORMAT_KEY] != VERSION:
+        raise ReproFileError(f"{source}: repro format version {doc[FORMAT_KEY]!r} is not "
+                             f"supported (this specgate reads version {VERSION})")
+    top = _fields(source, doc, Scenario, frozenset({"runs"}),
+                  extra=frozenset({FORMAT_KEY, "checks"}))
+    if doc.get("checks", list(CHECKS)) != list(CHECKS):
+        raise ReproFileError(f"{source}: checks: version {VERSION} replays exactly "
+                             f"{list(CHECKS)}, the file asks for {doc['checks']!r}")
+    runs = top["runs"]
+    if not isinstance(runs, list) or not runs:
+        raise ReproFileError(f"{source}: runs: expected a non-empty list")
+    built = []
+    for i, body in enumerate(runs):
+        where = f"{source}: runs[{i}]"
+        kwargs = _fields(where, body, Run, frozenset({"config", "actions"}))
+        if not isinstance(kwargs["actions"], list):
+            raise ReproFileError(f"{where}.actions: expected a list")
+        built.append(Run(_config(f"{where}.config", kwargs["config"]),
+                         tuple(_action(f"{where}.actions[{j}]", a)
+                               for j, a in enumerate(kwargs["actions"]))))
+    for name in ("check", "failure", "backend"):
+        if not isinstance(top.get(name, ""), str):
+            raise ReproFileError(f"{source}: {name}: expected a string")
+    return Scenario(tuple(built), top.get("check", ""), top.get("failure", ""),
+                    top.get("backend", ""))
+
+
+def load(path: Path) -> Scenario:
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ReproFileError(f"{path}: cannot read ({err.strerror or err})") from None
+    except UnicodeDecodeError:
+        raise ReproFileError(f"{path}: not a text file") from None
+    return parse(text, str(path))
