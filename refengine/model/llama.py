@@ -59,9 +59,11 @@ class Rotary:
     """cos/sin tables for every position, computed once (HF's rotate-half convention)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
-                                   / head_dim)
-        freqs = torch.arange(max_positions).float()[:, None] @ inv_freq[None, :]
+        # on the CPU even where the model is built on the meta device (``load``); the model's
+        # placement moves them with it
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                                device="cpu").float() / head_dim)
+        freqs = torch.arange(max_positions, device="cpu").float()[:, None] @ inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]           # [positions, 1, head_dim]
         self.cos, self.sin = emb.cos(), emb.sin()
 
@@ -229,7 +231,10 @@ class LlamaForCausalLM(nn.Module):
         weights = load_weights(path, dtype)
         if cfg.tie_word_embeddings and "lm_head.weight" not in weights:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-        model = cls(cfg).to(dtype)
+        # Built on the meta device and given the loaded tensors themselves (strict: every
+        # parameter): neither a random init nor a copy of weights about to be replaced.
+        with torch.device("meta"):
+            model = cls(cfg)
         check_state_dict(path, model, weights, "weights do not match config.json")
-        model.load_state_dict(weights, strict=True)
+        model.load_state_dict(weights, strict=True, assign=True)
         return place_for_decoding(model, device)
