@@ -15,9 +15,13 @@ class Profile:
     # Context lengths that long requests cross (engines size buffers so); one at or past the
     # model's context limit becomes a request that ends there.
     context_boundaries: tuple[int, ...]
+    fuzz_examples: int  # the fuzz tier's state-machine examples per spec
+    fuzz_shrink_seconds: float  # how long it may shrink a failure (inside the case timeout)
 
 
 PROFILES = {
-    "gate": Profile("gate", "small", 32, (512,)),
-    "full": Profile("full", "default", 64, (512, 1024, 2048)),
+    "gate": Profile("gate", "small", 32, (512,), fuzz_examples=10,
+                    fuzz_shrink_seconds=90),
+    "full": Profile("full", "default", 64, (512, 1024, 2048), fuzz_examples=100,
+                    fuzz_shrink_seconds=300),
 }

@@ -1,0 +1,219 @@
+"""The fuzz tier's state machine: Hypothesis chooses what a client does to a backend.
+
+Each example opens one engine instance (page size, a pool small enough to force retraction or
+a roomy one, a forced-retraction schedule, a prefill chunk: each only where the backend claims
+what it needs) and then applies rules: submit (prompts from a few tokens to past the 512 and
+1024 boundaries; greedy or sampled with every setting; stop tokens and stop strings taken from
+the reference's own output, so they really fire; 1 to 24 new tokens), step, abort whatever is
+live in whatever phase it is in, session turns, rollbacks (an aborted turn) and closes. Every
+action goes through ``ActionRunner``, the replay's own, so every step is checked as a replay
+checks it; at the end the example runs to completion and must end idle.
+
+When an example fails, Hypothesis shrinks it; the last example it runs is the shrunk one, and
+its driver is the one the plugin's ``RecordedRuns`` holds, so the failing check's repro file
+is the shrunk scenario.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from conformance.checks.oracle import ReferenceOracle
+from conformance.contract import Backend, Capabilities, OpenConfig, SamplingParams
+from conformance.repro.record import RecordedRuns
+from conformance.repro.replay import ActionRunner, step_allowance
+from conformance.repro.scenario import Abort, CloseSession, OpenSession, Run, Step, Submit
+from conformance.run.prompts import PromptCase, long_prompt
+from conformance.run.requests import context_limit
+
+ROOMY_POOL = 4096        # tokens: several long requests at once
+MAX_LIVE = 6            # requests in flight at once: enough for batches, small enough to shrink
+MAX_NEW = 24
+TIGHT_POOL_PROMPT = 96  # prompt tokens at most in a tight pool (each request must fit alone)
+BOUNDARIES = (512, 1024)
+
+
+@contextmanager
+def shrink_budget(seconds: float) -> Iterator[None]:
+    """Hypothesis shrinks a failure for up to five minutes, longer than a check may take; this
+    caps it (its engine reads the limit from a module attribute at each shrink; a Hypothesis
+    without it keeps its own). The example kept is the smallest found by then."""
+    from hypothesis.internal.conjecture import engine
+
+    before = getattr(engine, "MAX_SHRINKING_SECONDS", None)
+    if before is None:
+        yield
+        return
+    engine.MAX_SHRINKING_SECONDS = seconds  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        engine.MAX_SHRINKING_SECONDS = before  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class FuzzTarget:
+    """What an example runs against: the backend, its claims, the spec configuration and the
+    oracle; ``open_config`` builds the run's config (the plugin's, with the run's model and
+    graph executor)."""
+
+    backend: Backend
+    caps: Capabilities
+    open_config: Callable[..., OpenConfig]
+    oracle: ReferenceOracle
+    prompts: tuple[PromptCase, ...]
+    recorded: RecordedRuns
+    step_tokens: int = 1  # slots a step may hold per request past its sequence
+
+
+def machine_for(target: FuzzTarget) -> type[RuleBasedStateMachine]:
+    """A state machine class bound to ``target`` (Hypothesis builds a fresh instance per
+    example)."""
+    return type("AdapterMachine", (AdapterMachine,), {"target": target})
+
+
+class AdapterMachine(RuleBasedStateMachine):
+    target: FuzzTarget
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runner: ActionRunner | None = None
+        self.tight = False
+        self.count = 0
+        self.sessions: dict[str, str | None] = {}  # open session -> its live turn
+
+    # ---- set-up ------------------------------------------------------------------------------
+
+    @initialize(data=st.data())
+    def open_engine(self, data: st.DataObject) -> None:
+        t, caps = self.target, self.target.caps
+        limits: dict[str, int] = {}
+        if caps.memory_view:
+            page = data.draw(st.sampled_from([1, 4]), label="page_size")
+            limits["page_size"] = page
+            self.tight = data.draw(st.booleans(), label="tight pool")
+            need = TIGHT_POOL_PROMPT + MAX_NEW + 2 * page + 4 * t.step_tokens
+            # tight: the largest request alone fits, with a few steps' head-room
+            limits["kv_pool_tokens"] = (-(-int(need * 1.6) // page) * page if self.tight
+                                        else ROOMY_POOL)
+        if caps.forced_retract and data.draw(st.booleans(), label="forced retraction"):
+            limits["retract_every"] = data.draw(st.integers(2, 5), label="retract_every")
+        if data.draw(st.booleans(), label="chunked prefill"):
+            limits["max_prefill_tokens"] = data.draw(st.sampled_from([8, 96]),
+                                                     label="max_prefill_tokens")
+        t.recorded.clear()  # only this example's driver: the repro is the shrunk example
+        self.runner = ActionRunner.open(t.backend, caps, Run(t.open_config(**limits), ()),
+                                        t.oracle)
+        t.recorded.drivers.append(self.runner.driver)
+
+    def teardown(self) -> None:
+        """Run to completion, close the sessions and step once more: the pool must be whole
+        (M4, and M5 once the sessions are closed)."""
+        if self.runner is None:
+            return
+        try:
+            self.runner.drain(step_allowance(self.runner.driver.recorded()))
+            for session in sorted(self.sessions):
+                self.runner.apply(CloseSession(session))
+            if self.sessions:
+                self.runner.apply(Step())
+        finally:
+            self.runner.close()
+
+    # ---- what a client does ------------------------------------------------------------------
+
+    @property
+    def live(self) -> set[str]:
+        return self.runner.driver.live if self.runner else set()
+
+    def _prompt(self, data: st.DataObject) -> list[int]:
+        kinds = ["set", "set", "cut"] + ([] if self.tight else ["long"])
+        kind = data.draw(st.sampled_from(kinds), label="prompt kind")
+        if kind == "long":
+            limit = context_limit(self.target.oracle.model)
+            boundary = data.draw(st.sampled_from([b for b in BOUNDARIES if b < limit - 64]),
+                                 label="boundary")
+            length = boundary + data.draw(st.integers(-24, 24), label="past the boundary by")
+            return list(long_prompt(length, offset=boundary, model=self.target.oracle.model))
+        case = data.draw(st.sampled_from(self.target.prompts), label="prompt")
+        ids = list(case.ids)
+        if kind == "cut" or (self.tight and len(ids) > TIGHT_POOL_PROMPT):
+            ids = ids[:data.draw(st.integers(1, min(len(ids), TIGHT_POOL_PROMPT)),
+                                 label="prompt tokens")]
+        return ids
+
+    def _params(self, data: st.DataObject, prompt: list[int]) -> SamplingParams:
+        caps = self.target.caps
+        max_new = data.draw(st.integers(1, MAX_NEW), label="max_new_tokens")
+        ignore_eos = data.draw(st.booleans(), label="ignore_eos")
+        if caps.sampling and data.draw(st.integers(0, 3), label="sampled") == 0:
+            return SamplingParams(
+                max_new_tokens=max_new, ignore_eos=ignore_eos,
+                temperature=data.draw(st.sampled_from([0.5, 1.0]), label="temperature"),
+                top_k=data.draw(st.sampled_from([-1, 1, 8]), label="top_k"),
+                top_p=data.draw(st.sampled_from([1.0, 0.9]), label="top_p"),
+                seed=data.draw(st.integers(0, 3), label="seed"))
+        base = SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos)
+        stop = data.draw(st.sampled_from(["none", "none", "token", "string"]), label="stop")
+        if stop == "none":
+            return base
+        # a stop that fires: one of the tokens the reference itself will emit
+        want = self.target.oracle.greedy(tuple(prompt), base)
+        at = data.draw(st.integers(0, len(want) - 1), label="stop at output index")
+        if stop == "token":
+            return SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos,
+                                  stop_token_ids=(want[at],))
+        text = self.target.oracle.decode([want[at]]).strip()
+        return SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos,
+                              stop=(text,) if text else ())
+
+    @precondition(lambda self: self.runner is not None and len(self.live) < MAX_LIVE)
+    @rule(data=st.data())
+    def submit(self, data: st.DataObject) -> None:
+        prompt = self._prompt(data)
+        session = None
+        idle = self._idle_sessions()
+        if idle and data.draw(st.booleans(), label="as a session turn"):
+            session = data.draw(st.sampled_from(idle), label="session")
+            prompt = prompt[:16]  # a turn's new tokens; its context comes from the session
+        self.count += 1
+        rid = f"r{self.count}"
+        self.runner.apply(Submit(rid, tuple(prompt), self._params(data, prompt), session))
+        if session is not None:
+            self.sessions[session] = rid
+
+    @precondition(lambda self: self.runner is not None)
+    @rule(times=st.integers(1, 4))
+    def step(self, times: int) -> None:
+        self.runner.apply(Step(times))
+
+    @precondition(lambda self: bool(self.live) and self.target.caps.abort)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        self.runner.apply(Abort(data.draw(st.sampled_from(sorted(self.live)), label="rid")))
+
+    @precondition(lambda self: self.target.caps.sessions and len(self.sessions) < 2
+                  and self.runner is not None)
+    @rule()
+    def open_session(self) -> None:
+        self.count += 1
+        session = f"s{self.count}"
+        self.runner.apply(OpenSession(session))
+        self.sessions[session] = None
+
+    def _idle_sessions(self) -> list[str]:
+        """Open sessions without a live turn (a finished or aborted one ends it)."""
+        return sorted(s for s, rid in self.sessions.items() if rid not in self.live)
+
+    @precondition(lambda self: bool(self._idle_sessions()))
+    @rule(data=st.data())
+    def close_session(self, data: st.DataObject) -> None:
+        idle = self._idle_sessions()
+        session = data.draw(st.sampled_from(idle), label="session")
+        self.runner.apply(CloseSession(session))
+        del self.sessions[session]
