@@ -77,7 +77,8 @@ def test_report_md_shows_it_and_acceptance_png_is_beside_it(tmp_path: Path) -> N
     # drafts accepted of 8 verify steps, backend 5, 4, 4 and golden 6, 4, 4
     assert ("| `chain-s3-n4` | 8 / 8 | 0.38 0.12 0.00 0.50 | 0.25 0.25 0.00 0.50 | "
             "0.62 0.50 0.50 | 0.75 0.50 0.50 |") in md
-    assert "retractions=4" in md and "accept_hist" not in md  # shown as a chart, not a figure
+    assert "| `test_memory.py::test_invariants_under_pressure[1]` | 4 |" in md
+    assert "accept_hist" not in md  # shown as a chart, not a figure
     assert (tmp_path / "acceptance.png").read_bytes().startswith(b"\x89PNG")
     ReportDir(tmp_path).discard()  # a report directory holding acceptance.png is certify's own
 

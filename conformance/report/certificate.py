@@ -9,7 +9,8 @@ whose status is "incomplete": it covers the checks that finished, and only those
 The certificate also says what was certified (``conformance.report.certified``): every configuration
 with its parameters and τ, the precision the backend declares, the near-ties, and beside
 report.md ``acceptance.png`` (``conformance.report.acceptance_chart``) when the golden tier ran
-(or why it was skipped: matplotlib is an optional extra).
+(or why it was skipped: matplotlib is an optional extra), and the checks' figures as a table per
+tier (``conformance.report.figures``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from conformance.report.acceptance_chart import (
     shares,
 )
 from conformance.report.certified import ConfigRun, config_runs, near_ties
+from conformance.report.figures import figures_lines
 
 OUTCOMES = ("passed", "failed", "not claimed", "skipped")
 
@@ -179,8 +181,6 @@ def matrix_table(cert: Certificate) -> str:
     return "\n".join(lines)
 
 
-# figures with a section of their own, left out of the per-check list
-SHOWN_ELSEWHERE = frozenset({"accept_hist", "golden_accept_hist", "near_ties"})
 ACCEPTANCE_PNG = "acceptance.png"
 
 
@@ -299,14 +299,7 @@ def render_markdown(cert: Certificate) -> str:
         out += [f"- `{f['check']}`: {f['message']}" for f in failures]
         out.append("")
     out += acceptance_lines(cert)
-    figures = [(c["nodeid"], {k: v for k, v in c["figures"].items() if k not in SHOWN_ELSEWHERE})
-               for c in cert.checks if c.get("figures")]
-    figures = [(node, f) for node, f in figures if f]
-    if figures:
-        out += ["## Figures", ""]
-        out += [f"- `{node}`: " + ", ".join(f"{k}={v}" for k, v in sorted(f.items()))
-                for node, f in figures]
-        out.append("")
+    out += figures_lines(cert.checks)
     out += ["## Environment", ""] + [f"- {k}: {v}" for k, v in cert.environment.items()]
     return "\n".join(out) + "\n"
 
