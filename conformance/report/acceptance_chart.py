@@ -98,10 +98,8 @@ def _histogram(ax: Axes, panel: AcceptPanel) -> None:
 
 def _rates(ax: Axes, panel: AcceptPanel) -> None:
     positions = list(panel.positions)
-    ax.plot(positions, per_position_rates(panel.backend, panel.positions), "o-", color=BACKEND,
-            label="backend")
-    ax.plot(positions, per_position_rates(panel.golden, panel.positions), "s--", color=GOLDEN,
-            label="golden trace")
+    ax.plot(positions, per_position_rates(panel.backend, panel.positions), "o-", color=BACKEND)
+    ax.plot(positions, per_position_rates(panel.golden, panel.positions), "s--", color=GOLDEN)
     ax.set_title("per-position acceptance")
     ax.set_xlabel("draft position i")
     ax.set_ylabel("share of verify steps\naccepting ≥ i drafts")
@@ -111,13 +109,13 @@ def _rates(ax: Axes, panel: AcceptPanel) -> None:
 
 
 def _panel(sub: SubFigure, panel: AcceptPanel) -> None:
+    from matplotlib.legend_handler import HandlerTuple
+
     sub.suptitle(panel.config, fontweight="bold")
     hist_ax, rate_ax = sub.subplots(1, 2)
     _histogram(hist_ax, panel)
     _rates(rate_ax, panel)
     # one legend for both charts, below them: each series' bar beside its line
-    from matplotlib.legend_handler import HandlerTuple
-
     bars, labels = hist_ax.get_legend_handles_labels()
     sub.legend([(bar, line) for bar, line in zip(bars, rate_ax.get_lines(), strict=True)],
                labels, loc="outside lower center", ncols=2, frameon=False,
