@@ -76,6 +76,10 @@ def test_each_configuration_is_a_titled_panel_with_labels_legend_bars_and_rates(
     assert list(first_rates) == [0.9, 0.6, 0.6]  # of 100 steps: 90 took >= 2 tokens, 60 took 4
     with pytest.raises(ValueError, match="at least one"):
         draw_acceptance([])
+    # nothing but the bonus token, no golden steps, no S stated: one length, no draft position
+    (lone,) = draw_acceptance([AcceptPanel("x", {"1": 3}, {})]).subfigs
+    assert [bar.get_height() for bar in lone.axes[0].patches] == [1.0, 0.0]
+    assert [len(line.get_xdata()) for line in lone.axes[1].get_lines()] == [0, 0]
 
 
 def test_the_png_has_the_stated_size_no_stamp_and_the_same_bytes_twice(tmp_path: Path) -> None:
