@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,9 +71,14 @@ def test_report_md_shows_it_and_acceptance_png_is_beside_it(tmp_path: Path) -> N
             "2.5 / 2.6 |") in md
     assert "| `chain-s5-n6` | eagle | tiny-code-eagle | 5 | 1 | 6 | False | 4.5 (1) | — |" in md
     assert "- near-ties: 1" in md and "r1: index 5 (margin 2e-4)" in md
-    assert "![accept-length histogram, backend vs golden](acceptance.png)" in md
-    assert "| `chain-s3-n4` | 8 / 8 | 0.38 0.12 0.00 0.50 | 0.25 0.25 0.00 0.50 |" in md
-    assert "retractions=4" in md and "accept_hist" not in md  # shown as a chart, not a figure
+    assert ("![accept-length histogram and per-position acceptance, backend vs golden]"
+            "(acceptance.png)") in md
+    # shares per accept length 1..4, then per draft position 1..3 (S = 3): at least 1, 2, 3
+    # drafts accepted of 8 verify steps, backend 5, 4, 4 and golden 6, 4, 4
+    assert ("| `chain-s3-n4` | 8 / 8 | 0.38 0.12 0.00 0.50 | 0.25 0.25 0.00 0.50 | "
+            "0.62 0.50 0.50 | 0.75 0.50 0.50 |") in md
+    assert "| `test_memory.py::test_invariants_under_pressure[1]` | 4 |" in md
+    assert "accept_hist" not in md  # shown as a chart, not a figure
     assert (tmp_path / "acceptance.png").read_bytes().startswith(b"\x89PNG")
     ReportDir(tmp_path).discard()  # a report directory holding acceptance.png is certify's own
 
@@ -80,8 +86,23 @@ def test_report_md_shows_it_and_acceptance_png_is_beside_it(tmp_path: Path) -> N
 def test_no_golden_tier_no_chart() -> None:
     results = {**RESULTS, "checks": RESULTS["checks"][:3]}
     cert = build_certificate(results)
-    assert not cert.acceptance_panels
+    assert not cert.acceptance_panels and cert.plot_skipped is None  # nothing to draw
     assert "No accept-length histogram: the golden tier did not run" in render_markdown(cert)
+
+
+def test_without_matplotlib_the_plot_is_skipped_and_the_certificate_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
+    cert = build_certificate(RESULTS)
+    assert cert.plot_skipped and "pip install 'specgate[plots]'" in cert.plot_skipped
+    write_reports(cert, tmp_path)
+    assert not (tmp_path / "acceptance.png").exists()
+    md = (tmp_path / "report.md").read_text()
+    (line,) = [m for m in md.splitlines() if m.startswith("`acceptance.png` skipped: ")]
+    assert "matplotlib is not available" in line and "specgate[plots]" in line
+    assert "](acceptance.png)" not in md
+    assert "| `chain-s3-n4` | 8 / 8 | 0.38 0.12 0.00 0.50 |" in md  # the numbers stay
+    assert json.loads((tmp_path / "report.json").read_text())["plot_skipped"] == cert.plot_skipped
 
 
 def test_a_check_belongs_to_the_configuration_its_id_starts_with() -> None:

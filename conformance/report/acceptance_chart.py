@@ -1,100 +1,145 @@
-"""acceptance.png: the accept-length histogram of the backend beside the golden trace's.
+"""acceptance.png: per configuration, the accept-length histogram of the backend beside the
+golden trace's, and beside it the per-position acceptance rate.
 
-One panel per configuration, left to right in the certificate's order. In a panel each accept
-length (tokens per verify, bonus included) has two bars side by side: the backend's share of
-verify steps (blue) and the golden trace's (orange), each series normalised to its own total so
-runs of different sizes compare; the tallest bar of a panel is full height. The y axis has a
-tick every quarter of that height, the x axis a tick and the accept length (digits) under each
-pair. Figures in numbers are in report.md.
+One panel per configuration, top to bottom, titled with the configuration's id. Left, the
+accept-length histogram: per accept length (tokens per verify step, bonus included) the share
+of verify steps, backend beside golden trace, each series normalised to its own total so runs
+of different sizes compare. Right, the per-position acceptance rate derived from the same
+histograms: for draft position i = 1 .. (longest accept length - 1),
+
+    rate(i) = (verify steps with accept length n >= i + 1) / (all verify steps)
+
+that is, the share of verify steps that accepted at least i drafted tokens (a step of accept
+length n accepted n - 1 drafts; the bonus token is not a draft). This equals the golden tier's
+``per_position_acceptance`` on the same steps.
+
+Drawn with matplotlib (the optional extra ``specgate[plots]``) on its Agg renderer, never a
+display, under matplotlib's default style and without the PNG ``Software`` stamp, so the same
+histograms give the same bytes on one installation. Without matplotlib the certificate says the
+plot was skipped and why (``plots_unavailable``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from conformance.report.png import RGB, Canvas
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure, SubFigure
 
-BACKEND: RGB = (31, 119, 180)
-GOLDEN: RGB = (255, 127, 14)
-AXIS: RGB = (60, 60, 60)
-SEPARATOR: RGB = (200, 200, 200)
-BAR_W, GROUP_GAP = 10, 10
-LEFT, RIGHT, TOP, BOTTOM = 24, 8, 12, 26
-PLOT_H = 150
-TICK = 4
-DIGIT_SCALE = 2
-# 3x5 digit glyphs, one string of 15 cells per digit, row by row ("#" = ink)
-DIGITS = ("####.##.##.####", ".#.##..#..#.###", "###..#####..###", "###..####..####",
-          "#.##.####..#..#", "####..###..####", "####..####.####", "###..#..#..#..#",
-          "####.#####.####", "####.####..####")
+BACKEND, GOLDEN = "tab:blue", "tab:orange"
+DPI = 100
+PANEL_SIZE = (11.0, 3.6)  # inches per configuration: histogram and rates side by side
+INSTALL = "pip install 'specgate[plots]'"
 
 
 @dataclass
 class AcceptPanel:
+    """One configuration's accept-length histograms: accept length (JSON key) -> verify steps."""
+
     config: str
-    backend: dict[str, int]   # accept length -> verify steps
+    backend: dict[str, int]
     golden: dict[str, int]
+    num_steps: int | None = None  # drafts per verify step, when the configuration states it
 
     @property
     def lengths(self) -> range:
+        """Accept lengths 1 .. the longest seen or possible (num_steps drafts + the bonus)."""
         keys = [int(k) for k in (*self.backend, *self.golden)]
-        return range(1, max(keys, default=1) + 1)
+        return range(1, max([*keys, (self.num_steps or 0) + 1]) + 1)
+
+    @property
+    def positions(self) -> range:
+        """Draft positions 1 .. longest accept length - 1."""
+        return range(1, len(self.lengths))
 
 
 def shares(hist: dict[str, int], lengths: range) -> list[float]:
+    """Share of verify steps per accept length (0 for an empty histogram)."""
     total = sum(hist.values())
     return [hist.get(str(n), 0) / total if total else 0.0 for n in lengths]
 
 
-def bar_heights(panel: AcceptPanel) -> list[tuple[int, int]]:
-    """(backend, golden) bar heights in pixels per accept length."""
-    ours, theirs = shares(panel.backend, panel.lengths), shares(panel.golden, panel.lengths)
-    top = max([*ours, *theirs, 0.0]) or 1.0
-    return [(round(a / top * PLOT_H), round(b / top * PLOT_H)) for a, b in zip(ours, theirs,
-                                                                                strict=True)]
+def per_position_rates(hist: dict[str, int], positions: range) -> list[float]:
+    """Per draft position i: the share of verify steps whose accept length n (bonus included)
+    is at least i + 1, i.e. that accepted at least i drafted tokens."""
+    total = sum(hist.values())
+    return [sum(c for n, c in hist.items() if int(n) >= i + 1) / total if total else 0.0
+            for i in positions]
 
 
-def panel_width(panel: AcceptPanel) -> int:
-    return LEFT + len(panel.lengths) * (2 * BAR_W + GROUP_GAP) + GROUP_GAP + RIGHT
+def plots_unavailable() -> str | None:
+    """Why acceptance.png cannot be drawn here (one line), or None when it can."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        return f"matplotlib is not available ({err}); {INSTALL} draws it"
+    return None
 
 
-def _digits(canvas: Canvas, text: str, centre_x: int, y: int) -> None:
-    cell = DIGIT_SCALE
-    x = centre_x - (len(text) * 4 * cell - cell) // 2
-    for ch in text:
-        for i, ink in enumerate(DIGITS[int(ch)]):
-            if ink == "#":
-                cx, cy = x + (i % 3) * cell, y + (i // 3) * cell
-                canvas.fill(cx, cy, cx + cell, cy + cell, AXIS)
-        x += 4 * cell
+def _steps(hist: dict[str, int]) -> str:
+    return f"{sum(hist.values())} verify steps"
 
 
-def _draw_panel(canvas: Canvas, panel: AcceptPanel, x0: int) -> None:
-    base = TOP + PLOT_H  # the x axis' row; bars stand on it
-    axis_x = x0 + LEFT - 2
-    canvas.fill(axis_x, TOP, axis_x + 1, base + 1, AXIS)
-    canvas.fill(axis_x, base, x0 + panel_width(panel) - RIGHT, base + 1, AXIS)
-    for quarter in range(5):
-        y = base - round(quarter * PLOT_H / 4)
-        canvas.fill(axis_x - TICK, y, axis_x, y + 1, AXIS)
-    for i, (ours, theirs) in enumerate(bar_heights(panel)):
-        left = x0 + LEFT + GROUP_GAP + i * (2 * BAR_W + GROUP_GAP)
-        canvas.fill(left, base - ours, left + BAR_W, base, BACKEND)
-        canvas.fill(left + BAR_W, base - theirs, left + 2 * BAR_W, base, GOLDEN)
-        canvas.fill(left + BAR_W - 1, base + 1, left + BAR_W + 1, base + 1 + TICK, AXIS)
-        _digits(canvas, str(panel.lengths[i]), left + BAR_W, base + TICK + 4)
+def _histogram(ax: Axes, panel: AcceptPanel) -> None:
+    lengths = list(panel.lengths)
+    width = 0.4
+    ax.bar([n - width / 2 for n in lengths], shares(panel.backend, panel.lengths), width,
+           color=BACKEND, label=f"backend ({_steps(panel.backend)})")
+    ax.bar([n + width / 2 for n in lengths], shares(panel.golden, panel.lengths), width,
+           color=GOLDEN, label=f"golden trace ({_steps(panel.golden)})")
+    ax.set_title("accept-length histogram")
+    ax.set_xlabel("accept length (tokens per verify step, bonus included)")
+    ax.set_ylabel("share of verify steps")
+    ax.set_xticks(lengths)
 
 
-def draw_acceptance(panels: list[AcceptPanel]) -> Canvas:
+def _rates(ax: Axes, panel: AcceptPanel) -> None:
+    positions = list(panel.positions)
+    ax.plot(positions, per_position_rates(panel.backend, panel.positions), "o-", color=BACKEND)
+    ax.plot(positions, per_position_rates(panel.golden, panel.positions), "s--", color=GOLDEN)
+    ax.set_title("per-position acceptance")
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("share of verify steps\naccepting ≥ i drafts")
+    ax.set_xticks(positions)
+    ax.set_ylim(0.0, 1.05)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _panel(sub: SubFigure, panel: AcceptPanel) -> None:
+    from matplotlib.legend_handler import HandlerTuple
+
+    sub.suptitle(panel.config, fontweight="bold")
+    hist_ax, rate_ax = sub.subplots(1, 2)
+    _histogram(hist_ax, panel)
+    _rates(rate_ax, panel)
+    # one legend for both charts, below them: each series' bar beside its line
+    bars, labels = hist_ax.get_legend_handles_labels()
+    sub.legend([(bar, line) for bar, line in zip(bars, rate_ax.get_lines(), strict=True)],
+               labels, loc="outside lower center", ncols=2, frameon=False,
+               handler_map={tuple: HandlerTuple(ndivide=None)})
+
+
+def draw_acceptance(panels: list[AcceptPanel]) -> Figure:
+    """The chart as a matplotlib figure (no pyplot, so no global state and no display)."""
+    from matplotlib.figure import Figure
+
     if not panels:
         raise ValueError("an acceptance chart needs at least one configuration")
-    canvas = Canvas(sum(panel_width(p) for p in panels) + len(panels) - 1,
-                    TOP + PLOT_H + BOTTOM)
-    x = 0
-    for i, panel in enumerate(panels):
-        if i:
-            canvas.fill(x, 0, x + 1, canvas.height, SEPARATOR)
-            x += 1
-        _draw_panel(canvas, panel, x)
-        x += panel_width(panel)
-    return canvas
+    width, height = PANEL_SIZE
+    fig = Figure(figsize=(width, height * len(panels)), dpi=DPI, layout="constrained")
+    for sub, panel in zip(fig.subfigures(len(panels), 1, squeeze=False)[:, 0], panels,
+                          strict=True):
+        _panel(sub, panel)
+    return fig
+
+
+def save_acceptance(panels: list[AcceptPanel], path: Path) -> None:
+    """Write acceptance.png under matplotlib's default style, whatever the user's matplotlibrc."""
+    import matplotlib.style
+
+    with matplotlib.style.context("default"):
+        draw_acceptance(panels).savefig(path, format="png", dpi=DPI,
+                                        metadata={"Software": None})

@@ -8,7 +8,9 @@ whose status is "incomplete": it covers the checks that finished, and only those
 
 The certificate also says what was certified (``conformance.report.certified``): every configuration
 with its parameters and τ, the precision the backend declares, the near-ties, and beside
-report.md ``acceptance.png`` (``conformance.report.acceptance_chart``) when the golden tier ran.
+report.md ``acceptance.png`` (``conformance.report.acceptance_chart``) when the golden tier ran
+(or why it was skipped: matplotlib is an optional extra), and the checks' figures as a table per
+tier (``conformance.report.figures``).
 """
 
 from __future__ import annotations
@@ -23,9 +25,15 @@ from pathlib import Path
 
 import torch
 
-from conformance.report.acceptance_chart import AcceptPanel, draw_acceptance, shares
+from conformance.report.acceptance_chart import (
+    AcceptPanel,
+    per_position_rates,
+    plots_unavailable,
+    save_acceptance,
+    shares,
+)
 from conformance.report.certified import ConfigRun, config_runs, near_ties
-from conformance.report.png import encode_png
+from conformance.report.figures import figures_lines
 
 OUTCOMES = ("passed", "failed", "not claimed", "skipped")
 
@@ -61,10 +69,16 @@ class Certificate:
     configurations: list[ConfigRun] = field(default_factory=list)
     near_ties: list[dict[str, str]] = field(default_factory=list)
     case_timeout: float | None = None  # seconds per phase of a check; 0: no limit
+    plot_skipped: str | None = None  # why acceptance.png was not drawn though there were panels
+
+    def __post_init__(self) -> None:
+        if self.plot_skipped is None and self.acceptance_panels:
+            self.plot_skipped = plots_unavailable()
 
     @property
     def acceptance_panels(self) -> list[AcceptPanel]:
-        return [AcceptPanel(c.id, c.accept_hist, c.golden_accept_hist)
+        return [AcceptPanel(c.id, c.accept_hist, c.golden_accept_hist,
+                            c.parameters.get("num_steps"))  # type: ignore[arg-type]
                 for c in self.configurations if c.accept_hist or c.golden_accept_hist]
 
     @property
@@ -167,8 +181,6 @@ def matrix_table(cert: Certificate) -> str:
     return "\n".join(lines)
 
 
-# figures with a section of their own, left out of the per-check list
-SHOWN_ELSEWHERE = frozenset({"accept_hist", "golden_accept_hist", "near_ties"})
 ACCEPTANCE_PNG = "acceptance.png"
 
 
@@ -215,25 +227,38 @@ def certified_lines(cert: Certificate) -> list[str]:
     return out
 
 
+def _values(values: list[float]) -> str:
+    return " ".join(f"{v:.2f}" for v in values)
+
+
 def acceptance_lines(cert: Certificate) -> list[str]:
     panels = cert.acceptance_panels
     if not panels:
         return ["## Acceptance", "", "No accept-length histogram: the golden tier did not run "
                 "(it needs `reference_draft` and `acceptance_stats`, and a speculative spec).",
                 ""]
-    out = ["## Acceptance", "",
-           f"![accept-length histogram, backend vs golden]({ACCEPTANCE_PNG})", "",
-           f"`{ACCEPTANCE_PNG}`: one panel per configuration ("
-           + ", ".join(f"`{p.config}`" for p in panels) + "), left to right; per accept length "
-           "the backend's share of verify steps (blue) beside the golden trace's (orange), "
-           "on the golden tier's prompts.", "",
-           "| configuration | verify steps: backend / golden | share per accept length "
-           "1, 2, ...: backend | golden |", "|---|---|---|---|"]
+    out = ["## Acceptance", ""]
+    if cert.plot_skipped:
+        out += [f"`{ACCEPTANCE_PNG}` skipped: {cert.plot_skipped}.", ""]
+    else:
+        out += [f"![accept-length histogram and per-position acceptance, backend vs golden]"
+                f"({ACCEPTANCE_PNG})", "",
+                f"`{ACCEPTANCE_PNG}`: one panel per configuration, top to bottom ("
+                + ", ".join(f"`{p.config}`" for p in panels) + "); in each, the accept-length "
+                "histogram (share of verify steps per accept length) and beside it the "
+                "per-position acceptance rate, the backend (blue) against the golden trace "
+                "(orange), on the golden tier's prompts.", ""]
+    out += ["Accept length: tokens per verify step, bonus included. Acceptance at draft position "
+            "i: the share of verify steps that accepted at least i drafted tokens.", "",
+            "| configuration | verify steps: backend / golden | share per accept length "
+            "1, 2, ...: backend | golden | acceptance at draft position 1, 2, ...: backend | "
+            "golden |", "|---|---|---|---|---|---|"]
     for p in panels:
-        ours, theirs = (" ".join(f"{v:.2f}" for v in shares(h, p.lengths))
-                        for h in (p.backend, p.golden))
+        hists = (p.backend, p.golden)
+        lengths = [_values(shares(h, p.lengths)) for h in hists]
+        rates = [_values(per_position_rates(h, p.positions)) for h in hists]
         out.append(f"| `{p.config}` | {sum(p.backend.values())} / {sum(p.golden.values())} | "
-                   f"{ours} | {theirs} |")
+                   + " | ".join([*lengths, *rates]) + " |")
     out.append("")
     return out
 
@@ -274,14 +299,7 @@ def render_markdown(cert: Certificate) -> str:
         out += [f"- `{f['check']}`: {f['message']}" for f in failures]
         out.append("")
     out += acceptance_lines(cert)
-    figures = [(c["nodeid"], {k: v for k, v in c["figures"].items() if k not in SHOWN_ELSEWHERE})
-               for c in cert.checks if c.get("figures")]
-    figures = [(node, f) for node, f in figures if f]
-    if figures:
-        out += ["## Figures", ""]
-        out += [f"- `{node}`: " + ", ".join(f"{k}={v}" for k, v in sorted(f.items()))
-                for node, f in figures]
-        out.append("")
+    out += figures_lines(cert.checks)
     out += ["## Environment", ""] + [f"- {k}: {v}" for k, v in cert.environment.items()]
     return "\n".join(out) + "\n"
 
@@ -290,9 +308,8 @@ def write_reports(cert: Certificate, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "report.md").write_text(render_markdown(cert))
     (directory / "report.json").write_text(cert.to_json() + "\n")
-    if cert.acceptance_panels:
-        (directory / ACCEPTANCE_PNG).write_bytes(
-            encode_png(draw_acceptance(cert.acceptance_panels)))
+    if cert.acceptance_panels and not cert.plot_skipped:
+        save_acceptance(cert.acceptance_panels, directory / ACCEPTANCE_PNG)
 
 
 def indent_junit(path: Path) -> None:
