@@ -115,6 +115,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          + ", four times that with --specgate-graphs compiled or frozen")
     group.addoption("--specgate-results", default=None,
                     help="write per-check results (JSON) here")
+    group.addoption("--specgate-repro-dir", default=None,
+                    help="the certificate directory's repro/: failing checks write repro files")
 
 
 def _backend_name(config: pytest.Config) -> str:
