@@ -151,3 +151,24 @@ def test_under_every_spec_only_runs_the_ids_each_spec_has(
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["eagle", "summary.md"]
     assert f"spec none: no check matches --only {chain}" in err
     assert "warning" not in err
+
+
+def test_a_shard_keeps_every_spec(capsys: pytest.CaptureFixture[str],
+                                  monkeypatch: pytest.MonkeyPatch, random_model_dir: Path,
+                                  tmp_path: Path) -> None:
+    """A shard keeps the (vacuous) certificate of a spec it got no check of, so that every
+    shard holds every spec and the merge decides over the union."""
+    import conformance.run.suite
+
+    def fake_run(opts: SuiteOptions, *args: object, **kwargs: object) -> SuiteRun:
+        assert (opts.shard, opts.keyword) == ("2/2", "stop")
+        return SuiteRun(1, results(opts.spec, [], vacuous="zero checks collected"), False)
+
+    monkeypatch.setattr(conformance.run.suite, "run_suite", fake_run)
+    code, _, _ = run(capsys, "certify", "--spec", "all", "-k", "stop", "--shard", "2/2",
+                     "--model", str(random_model_dir), "--report", str(tmp_path / "r"))
+    assert code == 1
+    report = json.loads((tmp_path / "r" / "eagle" / "report.json").read_text())
+    assert (report["shard"], report["selection"]) == ("2/2", "-k 'stop'")
+    assert report["vacuous"] == "zero checks collected: no check matches -k 'stop', --shard 2/2"
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == sorted([*SPECS, "summary.md"])

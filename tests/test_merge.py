@@ -85,7 +85,32 @@ def test_merge_of_multi_spec_shards(capsys: pytest.CaptureFixture[str], tmp_path
     assert code == 1
     for spec in ("none", "eagle"):
         assert verdicts(tmp_path / "m" / spec / "report.json") == {n: o for n, o, _ in A + B}
-    assert "| none | FAILED |" in (tmp_path / "m" / "summary.md").read_text()
+    summary = (tmp_path / "m" / "summary.md").read_text()
+    assert summary.index("| none | FAILED |") < summary.index("| eagle | FAILED |")  # --spec order
+
+
+def test_a_spec_the_selection_misses_in_every_shard_gets_no_certificate(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    for shard, checks in (("1/2", A), ("2/2", B)):
+        cert_dir(tmp_path / shard[0] / "none", "none", checks, shard=shard, selection="-k 'x'")
+        cert_dir(tmp_path / shard[0] / "eagle", "eagle", [], shard=shard, selection="-k 'x'",
+                 vacuous="zero checks collected")
+    code, _, err = run(capsys, "report", "merge", str(tmp_path / "1"), str(tmp_path / "2"),
+                       "--out", str(tmp_path / "m"))
+    assert code == 1 and "spec eagle: no check matches -k 'x'" in err
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["none", "summary.md"]
+    assert "checks selected by `-k 'x'`" in (tmp_path / "m" / "none" / "report.md").read_text()
+
+
+def test_multi_spec_shards_must_hold_the_same_specs(capsys: pytest.CaptureFixture[str],
+                                                    tmp_path: Path) -> None:
+    cert_dir(tmp_path / "1" / "none", "none", A, shard="1/2")
+    cert_dir(tmp_path / "2" / "none", "none", B, shard="2/2")
+    cert_dir(tmp_path / "2" / "eagle", "eagle", B, shard="2/2")
+    code, _, err = run(capsys, "report", "merge", str(tmp_path / "1"), str(tmp_path / "2"),
+                       "--out", str(tmp_path / "m"))
+    assert_usage_error(code, err, "shards of different specs", "eagle, none")
+    assert not (tmp_path / "m").exists()
 
 
 @pytest.mark.parametrize("change, needle", [
@@ -96,6 +121,7 @@ def test_merge_of_multi_spec_shards(capsys: pytest.CaptureFixture[str], tmp_path
     ({"shard": "1/2"}, "shards 1, 1 of 2"),
     ({"shard": None}, "some of the certificates are shards"),
     ({"checks": A}, "overlapping shards: test_a.py::one"),
+    ({"selection": "-k 'x'"}, "different selections"),
 ])
 def test_shards_that_do_not_belong_together_are_refused(
         capsys: pytest.CaptureFixture[str], tmp_path: Path, change: dict[str, object],

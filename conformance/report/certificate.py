@@ -67,6 +67,7 @@ class Certificate:
     case_timeout: float | None = None  # seconds per phase of a check; 0: no limit
     specgate_version: str = ""  # the specgate that ran the suite
     shard: str | None = None    # "I/N" for one shard's certificate; "merged from N" after merge
+    selection: str | None = None  # --only / -k as the run was given them (None: every check)
     known_failures: dict[str, object] | None = None  # KnownReport, with --known-failures
 
     @property
@@ -158,6 +159,7 @@ def build_certificate(results: dict[str, object]) -> Certificate:
         case_timeout=results.get("case_timeout"),  # type: ignore[arg-type]
         specgate_version=str(results.get("specgate_version", "")),
         shard=results.get("shard"),  # type: ignore[arg-type]
+        selection=results.get("selection"),  # type: ignore[arg-type]
         known_failures=known)  # type: ignore[arg-type]
 
 
@@ -274,7 +276,8 @@ def render_markdown(cert: Certificate, where: Path = Path(".")) -> str:
            f"`{cert.graphs or 'off'}`",
            f"- backend resolved from: `{b['resolved_from']}`",
            f"- specgate: `{cert.specgate_version or 'unknown'}`"
-           + (f", shard: `{cert.shard}`" if cert.shard else ""),
+           + (f", shard: `{cert.shard}`" if cert.shard else "")
+           + (f", checks selected by `{cert.selection}`" if cert.selection else ""),
            f"- created: {cert.created}", ""]
     if cert.interrupted:
         out += [f"**The run was interrupted.** This certificate covers the {cert.total_checks} "

@@ -32,11 +32,12 @@ def failure_lines(failures: list[Failure], backend: str, where: Path) -> list[st
     return [*out, ""]
 
 
-_KINDS = (("known", "known failures (failed, excused: they do not fail the gate)"),
-          ("stale", "stale (listed, but passed: remove them from the file)"),
-          ("expired", "expired (their date has passed: they excuse nothing)"),
-          ("not_run", "listed, but did not run here"),
-          ("unknown", "listed, but no such check in this certificate"))
+# KnownReport's lists: key, what the console calls it, what report.md adds
+_KINDS = (("known", "known failure", "failed, excused: they do not fail the gate"),
+          ("stale", "stale", "listed, but passed: remove them from the file"),
+          ("expired", "expired", "their date has passed: they excuse nothing"),
+          ("not_run", "listed, did not run", "skipped or not claimed here"),
+          ("unknown", "listed, no such check", "no check of this certificate has that id"))
 
 
 def known_lines(known: Known) -> list[str]:
@@ -46,17 +47,17 @@ def known_lines(known: Known) -> list[str]:
     out = ["## Known failures", "", f"From `{known['file']}`"
            + (" (`--strict-known`: a stale entry fails the gate)." if known["strict"] else
               " (a stale entry is a warning; `--strict-known` makes it fail the gate)."), ""]
-    for kind, title in _KINDS:
+    for kind, name, why in _KINDS:
         items = known[kind]
         if not items:
             continue
-        out += [f"**{len(items)} {title}**", ""]
+        out += [f"**{name}: {len(items)}** ({why})", ""]
         for item in items:
             until = f", until {item['expires']}" if item["expires"] else ""
             now = f" (outcome: {item['outcome']})" if item["outcome"] else ""
             out.append(f"- `{item['check']}`: {item['reason']}{until}{now}")
         out.append("")
-    if not any(known[kind] for kind, _ in _KINDS):
+    if not any(known[kind] for kind, _, _ in _KINDS):
         out += ["No entry applies to this spec.", ""]
     return out
 
@@ -72,7 +73,6 @@ def console_lines(failures: list[Failure], backend: str, known: Known, where: Pa
         if f.get("repro"):
             out.append(f"    replay: {repro_command(backend, where, f['repro'])}")
     if known is not None:
-        for kind, title in _KINDS:
-            for item in known[kind]:
-                out.append(f"  {title.split(' (')[0]}: {item['check']}: {item['reason']}")
+        for kind, name, _ in _KINDS:
+            out += [f"  {name}: {item['check']}: {item['reason']}" for item in known[kind]]
     return out

@@ -3,25 +3,30 @@ joined into one: report.md, report.json, junit.xml, acceptance.png and repro fil
 summary.md for a multi-spec run. Written like certify's (``ReportDir``: all or nothing).
 
 Shards must come from one run's set-up: the same specgate version, backend (name, version,
-where it was resolved from), profile, graphs, layout and shard count, each shard exactly once,
-and no check in two shards; anything else is refused before anything is written. The merged
-certificate is built from the shards' checks as certify builds one (a vacuous merge is refused
-as a vacuous run is); known failures carry over, and an id is unknown only if no shard had it.
+where it was resolved from), profile, graphs, selection (``--only``/``-k``), specs, layout and
+shard count, each shard exactly once, and no check in two shards; anything else is refused
+before anything is written. The merged certificate is built from the shards' checks as certify
+builds one (a vacuous merge fails as a vacuous run does); known failures carry over, and an id
+is unknown only if no shard had it. As in certify, a spec in which the selection names no check
+in any shard gets no certificate.
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from conformance.report.cert_dirs import CertDir, SpecFiles, read_cert_dir
+from conformance.run.specs import SPECS
 from conformance.run.usage import UsageError
 
 # what every shard of one run records alike
 SAME = (("specgate_version", "specgate versions"), ("backend", "backends"),
-        ("profile", "profiles"), ("graphs", "graph executors"))
+        ("profile", "profiles"), ("graphs", "graph executors"),
+        ("selection", "selections (--only, -k)"))
 _KINDS = ("known", "stale", "expired", "not_run")
 
 
@@ -56,9 +61,9 @@ def check_shards(certs: list[CertDir]) -> list[Shards]:
                                      f"{files.report.get(key)!r}")
     if len({c.multi for c in certs}) > 1:
         raise ValueError("shards of different layouts: some certify one spec, some several")
-    if not certs[0].multi and len({s for c in certs for s in c.specs}) > 1:
-        raise ValueError("shards of different specs: " + ", ".join(
-            f"{c.path} {next(iter(c.specs))}" for c in certs))
+    if len({frozenset(c.specs) for c in certs}) > 1:
+        raise ValueError("shards of different specs: " + "; ".join(
+            f"{c.path}: {', '.join(c.specs)}" for c in certs))
     marks = [_shard_of(c) for c in certs]
     if any(m is None for m in marks) and any(m is not None for m in marks):
         raise ValueError("some of the certificates are shards (--shard) and some are not")
@@ -72,7 +77,8 @@ def check_shards(certs: list[CertDir]) -> list[Shards]:
             raise ValueError(f"shards {', '.join(map(str, indices))} of {count} given: each "
                              f"shard 1..{count} exactly once")
     order = sorted(range(len(certs)), key=lambda i: marks[i] or (i, 0))
-    specs = list(dict.fromkeys(s for i in order for s in certs[i].specs))
+    known = list(SPECS)
+    specs = sorted(certs[0].specs, key=lambda s: (known.index(s) if s in known else len(known), s))
     grouped = [Shards(s, [certs[i].specs[s] for i in order if s in certs[i].specs])
                for s in specs]
     for group in grouped:
@@ -125,7 +131,7 @@ def merged_results(group: Shards) -> dict[str, object]:
         "configurations": [{"id": c["id"], **c["parameters"]}
                            for c in first.get("configurations", [])],  # type: ignore[attr-defined]
         "precision": first.get("precision", "float32"), "case_timeout": first.get("case_timeout"),
-        "specgate_version": first.get("specgate_version"),
+        "specgate_version": first.get("specgate_version"), "selection": first.get("selection"),
         "shard": f"merged from {count} shard{'s' * (count != 1)}" if first.get("shard") else None,
         "vacuous": vacuous, "interrupted": interrupted, "checks": checks,
         "known_failures": _known(reports)}
@@ -155,6 +161,12 @@ def cmd_merge(args: argparse.Namespace) -> int:
     merged = []
     try:
         for group in groups:
+            first = group.files[0].report
+            if multi and first.get("selection") and not any(f.report["checks"]
+                                                             for f in group.files):
+                print(f"specgate report merge: spec {group.spec}: no check matches "
+                      f"{first['selection']}", file=sys.stderr)
+                continue
             out_dir = target.staging / group.spec if multi else target.staging
             shown = target.target / out_dir.relative_to(target.staging)
             cert = build_certificate(merged_results(group))
@@ -175,4 +187,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
         print_certificate(cert, shown)
     if multi:
         print_table("specgate report merge: every spec", *summary_rows([c for c, _ in merged]))
-    return 0 if all(c.status == "passed" for c, _ in merged) else 1
+    if not merged:
+        print("specgate report merge: no check of any spec matches the selection",
+              file=sys.stderr)
+    return 0 if merged and all(c.status == "passed" for c, _ in merged) else 1

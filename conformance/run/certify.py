@@ -56,10 +56,22 @@ class Selection:
     def __bool__(self) -> bool:
         return bool(self.only or self.keyword or self.shard)
 
+    @property
+    def by_name(self) -> str | None:
+        """``--only`` and ``-k`` as a phrase (None: every check); report.json records it."""
+        parts = [*(["--only " + ",".join(self.only)] if self.only else []),
+                 *([f"-k {self.keyword!r}"] if self.keyword else [])]
+        return ", ".join(parts) or None
+
     def describe(self) -> str:
-        return ", ".join([*(["--only " + ",".join(self.only)] if self.only else []),
-                          *([f"-k {self.keyword!r}"] if self.keyword else []),
+        return ", ".join([*([self.by_name] if self.by_name else []),
                           *([f"--shard {self.shard}"] if self.shard else [])])
+
+    def drops(self, results: dict[str, object]) -> bool:
+        """A spec in which ``--only``/``-k`` name no check gets no certificate of its own under
+        ``--spec all|claimed``; a shard keeps it (vacuous), so every shard holds every spec and
+        ``report merge`` decides over the union."""
+        return bool(self.by_name and not self.shard and not results["checks"])
 
 
 @dataclass(frozen=True)
@@ -78,7 +90,7 @@ def _finish(results: dict[str, object], finish: Finish, junit: Path) -> dict[str
     from conformance.version import specgate_version
 
     results = {**results, "specgate_version": specgate_version(),
-               "shard": finish.selection.shard}
+               "shard": finish.selection.shard, "selection": finish.selection.by_name}
     sel = finish.selection
     if sel and results.get("vacuous") == "zero checks collected":
         results["vacuous"] = f"zero checks collected: no check matches {sel.describe()}"
@@ -199,7 +211,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
         for spec in specs:
             out_dir = target.staging / spec.name if multi else target.staging
             results, interrupted = _certify_one(args, spec, out_dir, finish, console)
-            if results is not None and multi and finish.selection and not results["checks"] \
+            if results is not None and multi and finish.selection.drops(results) \
                     and not interrupted:
                 shutil.rmtree(out_dir)  # the selection names no check of this spec
                 console.print(f"specgate certify: spec {spec.name}: no check matches "
