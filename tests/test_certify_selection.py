@@ -35,11 +35,32 @@ def plain_only() -> PlainOnly:
     return PlainOnly()
 
 
+class NoSpec(RefEngineBackend):
+    """The reference engine claiming no algorithm at all."""
+
+    def capabilities(self) -> Capabilities:
+        return replace(super().capabilities(), algorithms=frozenset())
+
+
+def no_spec() -> NoSpec:
+    return NoSpec()
+
+
 def test_claimed_specs() -> None:
     assert claimed_specs(RefEngineBackend().capabilities()) == list(SPECS.values())
     assert [s.name for s in claimed_specs(PlainOnly().capabilities())] == ["none"]
     no_tree = replace(RefEngineBackend().capabilities(), tree=False)
     assert [s.name for s in claimed_specs(no_tree)] == ["none", "eagle", "draft-model"]
+    chain = replace(no_tree, algorithms=frozenset({"eagle"}))
+    assert [s.name for s in claimed_specs(chain)] == ["eagle"]
+
+
+def test_a_backend_that_claims_no_spec_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str], random_model_dir: Path, tmp_path: Path) -> None:
+    code, _, err = run(capsys, "certify", "--backend", "tests.test_certify_selection:no_spec",
+                       "--model", str(random_model_dir), "--report", str(tmp_path / "r"))
+    assert_usage_error(code, err, "--spec claimed", "claims no spec")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("backend, specs", [

@@ -196,6 +196,9 @@ def cmd_certify(args: argparse.Namespace) -> int:
                     args.strict_known)
     specs = (claimed_specs(backend.capabilities()) if args.spec == "claimed"
              else resolve_specs(args.spec))
+    if not specs:
+        raise UsageError(f"--spec claimed: backend {args.backend!r} claims no spec "
+                         f"(algorithms: {sorted(backend.capabilities().algorithms)})")
     try:
         target = ReportDir(Path(args.report))
     except ReportDirError as err:
