@@ -3,10 +3,10 @@ report.json lists them (``test_lossless.py::test_greedy_matches_reference[...]``
 the suite directory).
 
 ``parse_only`` checks the ids before any work: each must name a suite module. The pytest plugin
-(``--specgate-only``, loaded with the suite) keeps exactly the checks named; one that names no
-collected check leaves nothing to run, and the run is refused as vacuous. Selecting by id
-after collection (rather than handing pytest the ids) keeps that case a vacuous run, and lets
-``--spec all`` run the ids that exist in each spec.
+(``--specgate-only``, loaded with the suite) keeps exactly the checks named. Selecting by id
+after collection, rather than handing pytest the ids (which stops at an id it cannot find),
+lets ``--spec all`` run the ids that exist in each spec; certify warns about an id that names
+no check, and a run left with no check is refused as vacuous.
 """
 
 from __future__ import annotations
