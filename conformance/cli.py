@@ -1,6 +1,6 @@
 """The ``specgate`` command: argument parsing and dispatch. The commands themselves live with
 their role: ``run/certify.py``, ``run/mutants.py``, ``checks/commands.py`` (golden, expected),
-``bench/command.py``.
+``bench/command.py``, ``report/merge.py`` and ``report/durations.py`` (``specgate report``).
 
 Exit codes: 0 every required check passed; 1 a check failed (or the run was vacuous); 2 a usage
 or configuration error, reported as one line on stderr without a traceback, before any work
@@ -14,30 +14,25 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from typing import NoReturn
 
 from conformance.bench.command import cmd_bench
 from conformance.checks.commands import cmd_expected, cmd_golden
+from conformance.report.durations import cmd_durations
+from conformance.report.merge import cmd_merge
 from conformance.repro.command import cmd_repro
 from conformance.run.certify import cmd_certify
 from conformance.run.interrupt_redelivery import keep_interrupts
 from conformance.run.mutants import cmd_mutants
 from conformance.run.quick_exit import exit_now
 from conformance.run.usage import INTERRUPTED, USAGE_ERROR, Interrupted, UsageError
+from conformance.version import specgate_version
 from refengine.config import GRAPH_EXECUTORS
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line instead of usage + message
         raise UsageError(message)
-
-
-def _version() -> str:
-    try:
-        return version("specgate")
-    except PackageNotFoundError:  # a checkout used without installing it
-        return "unknown (not installed)"
 
 
 def _positive_int(text: str) -> int:
@@ -60,6 +55,15 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _shard(text: str) -> str:
+    from conformance.run.shard import parse_shard
+
+    try:
+        return str(parse_shard(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from conformance.run.specs import SPECS
 
@@ -67,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specgate", formatter_class=fmt, description="Conformance harness "
                      "for speculative decoding, with a compact reference engine. Exit codes: "
                      "0 passed, 1 a check failed, 2 usage error, 130 interrupted.")
-    parser.add_argument("--version", action="version", version=f"specgate {_version()}")
+    parser.add_argument("--version", action="version", version=f"specgate {specgate_version()}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     sub.required = True
 
@@ -77,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     certify.add_argument("--backend", default=os.environ.get("SPECGATE_BACKEND", "refengine"),
                          help="entry-point name (refengine, hf, ctranslate2), mutant:NAME or "
                               "module:factory; the default comes from $SPECGATE_BACKEND if set")
-    certify.add_argument("--spec", default="none",
-                         help=f"{' | '.join(SPECS)} | all (one certificate per spec)")
+    certify.add_argument("--spec", default="claimed",
+                         help=f"{' | '.join(SPECS)} | all | claimed (every spec the backend "
+                              "claims); all and claimed write one certificate per spec")
     certify.add_argument("--profile", default="gate", choices=["gate", "full"],
                          help="gate: small prompt set, 32 tokens; full: default set, 64 tokens")
     certify.add_argument("--report", default="specgate-report",
@@ -98,6 +103,22 @@ def build_parser() -> argparse.ArgumentParser:
                               "fails with the backend call it was in; 0: no limit; default by "
                               "profile: gate 300, full 1200, four times that with --graphs "
                               "compiled or frozen")
+    certify.add_argument("--only", action="append", default=[], metavar="NODEID[,NODEID...]",
+                         help="run only these checks, by node id as report.json lists them "
+                              "(test_lossless.py::test_...[...]); repeatable")
+    certify.add_argument("-k", dest="keyword", default=None, metavar="EXPR",
+                         help="run only the checks whose names match this pytest -k expression")
+    certify.add_argument("--shard", type=_shard, default=None, metavar="I/N",
+                         help="run shard I of N: a deterministic split of the checks balanced by "
+                              "recorded durations; join the shards with specgate report merge")
+    certify.add_argument("--durations", default=None, metavar="FILE",
+                         help="the durations table --shard balances by (default: the bundled "
+                              "one; record one with specgate report durations)")
+    certify.add_argument("--known-failures", default=None, metavar="FILE",
+                         help="TOML file of known failures (check id -> reason, optional "
+                              "expiry): reported as known, not failing the gate")
+    certify.add_argument("--strict-known", action="store_true",
+                         help="a known failure that now passes (stale) fails the gate")
     certify.set_defaults(func=cmd_certify)
 
     gold = sub.add_parser("golden", formatter_class=fmt,
@@ -170,6 +191,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write the scenario as a standalone pytest module (run it with "
                             "pytest --specgate-backend B) instead of replaying it")
     repro.set_defaults(func=cmd_repro)
+    report = sub.add_parser("report", formatter_class=fmt,
+                            help="work with certificates: merge shards, record durations")
+    actions = report.add_subparsers(dest="action", parser_class=_Parser, metavar="ACTION")
+    actions.required = True
+    merge = actions.add_parser("merge", formatter_class=fmt, help="join the certificates of "
+                               "certify --shard runs into one")
+    merge.add_argument("dirs", nargs="+", metavar="DIR", help="the shards' report directories")
+    merge.add_argument("--out", required=True, help="the merged certificate's directory "
+                       "(replaced as a whole, like certify's --report)")
+    merge.set_defaults(func=cmd_merge)
+    durations = actions.add_parser("durations", formatter_class=fmt, help="record the table "
+                                   "certify --shard balances by, from certificates")
+    durations.add_argument("dirs", nargs="+", metavar="DIR", help="report directories")
+    durations.add_argument("--out", required=True, help="the durations file to write")
+    durations.set_defaults(func=cmd_durations)
     return parser
 
 

@@ -68,8 +68,8 @@ def test_model_dir_missing_file_is_a_usage_error(capsys: pytest.CaptureFixture[s
 
 def test_certify_writes_three_reports(capsys: pytest.CaptureFixture[str], random_model_dir: Path,
                                       tmp_path: Path) -> None:
-    code, out, _ = run(capsys, "certify", "--model", str(random_model_dir), "-n", "0",
-                       "--report", str(tmp_path))
+    code, out, _ = run(capsys, "certify", "--spec", "none", "--model", str(random_model_dir),
+                       "-n", "0", "--report", str(tmp_path))
     assert code == 0, out
     for name in ("report.md", "report.json", "junit.xml"):
         assert (tmp_path / name).stat().st_size > 0, name
@@ -90,7 +90,8 @@ def test_certify_writes_three_reports(capsys: pytest.CaptureFixture[str], random
 def test_certify_fails_on_a_mutant(capsys: pytest.CaptureFixture[str], random_model_dir: Path,
                                    tmp_path: Path) -> None:
     code, _, _ = run(capsys, "certify", "--backend", "mutant:ignores_stop_token_ids",
-                     "--model", str(random_model_dir), "-n", "0", "--report", str(tmp_path))
+                     "--spec", "none", "--model", str(random_model_dir), "-n", "0",
+                     "--report", str(tmp_path))
     assert code == 1
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["status"] == "failed"
@@ -171,7 +172,8 @@ def test_a_new_report_replaces_the_old_one_whole(capsys: pytest.CaptureFixture[s
     (report / "report.md").write_text("result: **PASSED** (an old run)")
     (report / "eagle" / "report.md").write_text("old")
     code, _, _ = run(capsys, "certify", "--backend", "mutant:ignores_stop_token_ids",
-                     "--model", str(random_model_dir), "-n", "0", "--report", str(report))
+                     "--spec", "none", "--model", str(random_model_dir), "-n", "0",
+                     "--report", str(report))
     assert code == 1
     assert sorted(p.name for p in report.iterdir()) == ["junit.xml", "report.json", "report.md"]
     assert "FAILED" in (report / "report.md").read_text()

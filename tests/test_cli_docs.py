@@ -13,14 +13,20 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 
 
 def subcommand_options(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
-    """Subcommand -> its option strings, leaving out ``--help`` and options hidden on purpose
-    (``help=argparse.SUPPRESS``)."""
+    """Subcommand -> its option strings (a command's own subcommands' included), leaving out
+    ``--help`` and options hidden on purpose (``help=argparse.SUPPRESS``)."""
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {name: [opt for action in command._actions
-                   if action.help != argparse.SUPPRESS
-                   and not isinstance(action, argparse._HelpAction)
-                   for opt in action.option_strings]
-            for name, command in sub.choices.items()}
+    return {name: _options(command) for name, command in sub.choices.items()}
+
+
+def _options(command: argparse.ArgumentParser) -> list[str]:
+    found = []
+    for action in command._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found += [o for nested in action.choices.values() for o in _options(nested)]
+        elif action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction):
+            found += action.option_strings
+    return list(dict.fromkeys(found))
 
 
 def sections(text: str) -> dict[str, str]:
@@ -41,7 +47,7 @@ def undocumented(options: dict[str, list[str]], docs: dict[str, str]) -> list[st
 
 def test_every_cli_option_is_in_docs_cli_md() -> None:
     options = subcommand_options(build_parser())
-    assert set(options) == {"certify", "golden", "expected", "mutants", "bench"}
+    assert set(options) == {"certify", "golden", "expected", "mutants", "bench", "report", "repro"}
     docs = sections(DOC.read_text())
     assert set(options) <= set(docs), f"commands without a section: {set(options) - set(docs)}"
     assert undocumented(options, docs) == []

@@ -2,9 +2,11 @@
 
 A tier's status is, in order: "failed" if any check failed; "not claimed" if every check was
 gated off by an undeclared capability; "skipped" if nothing ran for another reason; else
-"passed". Nothing counts as passed unless at least one check in it passed. Every check that did
-not run is listed in report.md with its reason. A run stopped by Ctrl-C gives a certificate
-whose status is "incomplete": it covers the checks that finished, and only those.
+"passed"; a tier whose checks that ran are all known failures (``--known-failures``) is "known
+failure". Nothing counts as passed unless at least one check in it passed. Every check that did
+not run is listed in report.md with its reason; every failure with the command that replays it
+(``conformance.report.failures``). A run stopped by Ctrl-C gives a certificate whose status is
+"incomplete": it covers the checks that finished, and only those.
 
 The certificate also says what was certified (``conformance.report.certified``): every configuration
 with its parameters and τ, the precision the backend declares, the near-ties, and beside
@@ -33,9 +35,11 @@ from conformance.report.acceptance_chart import (
     shares,
 )
 from conformance.report.certified import ConfigRun, config_runs, near_ties
+from conformance.report.failures import failure_lines, known_lines
 from conformance.report.figures import figures_lines
+from conformance.run.known_failures import KNOWN_FAILURE
 
-OUTCOMES = ("passed", "failed", "not claimed", "skipped")
+OUTCOMES = ("passed", "failed", KNOWN_FAILURE, "not claimed", "skipped")
 
 
 @dataclass
@@ -44,7 +48,7 @@ class TierSummary:
     counts: dict[str, int]
     status: str
     seconds: float
-    failures: list[dict[str, str]] = field(default_factory=list)
+    failures: list[dict[str, str]] = field(default_factory=list)  # check, message[, repro]
     not_run: dict[str, int] = field(default_factory=dict)  # "outcome: reason" -> checks
 
 
@@ -69,6 +73,10 @@ class Certificate:
     configurations: list[ConfigRun] = field(default_factory=list)
     near_ties: list[dict[str, str]] = field(default_factory=list)
     case_timeout: float | None = None  # seconds per phase of a check; 0: no limit
+    specgate_version: str = ""  # the specgate that ran the suite
+    shard: str | None = None    # "I/N" for one shard's certificate; "merged from N" after merge
+    selection: str | None = None  # --only / -k as the run was given them (None: every check)
+    known_failures: dict[str, object] | None = None  # KnownReport, with --known-failures
     plot_skipped: str | None = None  # why acceptance.png was not drawn though there were panels
 
     def __post_init__(self) -> None:
@@ -80,6 +88,10 @@ class Certificate:
         return [AcceptPanel(c.id, c.accept_hist, c.golden_accept_hist,
                             c.parameters.get("num_steps"))  # type: ignore[arg-type]
                 for c in self.configurations if c.accept_hist or c.golden_accept_hist]
+
+    @property
+    def failures(self) -> list[dict[str, str]]:
+        return [f for t in self.tiers for f in t.failures]
 
     @property
     def total_checks(self) -> int:
@@ -94,6 +106,8 @@ def _status(counts: Counter[str]) -> str:
         return "failed"
     if counts["passed"]:
         return "passed"
+    if counts[KNOWN_FAILURE]:
+        return KNOWN_FAILURE
     if counts["not claimed"]:
         return "not claimed"
     return "skipped"
@@ -125,14 +139,20 @@ def build_certificate(results: dict[str, object]) -> Certificate:
         summaries.append(TierSummary(
             tier, {o: counts[o] for o in OUTCOMES}, _status(counts),
             round(sum(float(r["duration"]) for r in rows), 2),
-            [{"check": str(r["nodeid"]), "message": str(r["message"])}
+            [{"check": str(r["nodeid"]), "message": str(r["message"]),
+              **({"repro": str(r["repro"])} if r.get("repro") else {})}
              for r in rows if r["outcome"] == "failed"], _not_run(rows)))
     matrix: dict[str, dict[str, str]] = {}
     for tier, rows in sorted(tiers.items()):
         for cap in sorted({c for r in rows for c in str(r["requires"]).split(",") if c}):
             needing = Counter(str(r["outcome"]) for r in rows if cap in str(r["requires"]))
             matrix.setdefault(cap, {})[tier] = _status(needing)
-    failed = any(s.status == "failed" for s in summaries) or bool(results.get("vacuous"))
+    known = results.get("known_failures")
+    vacuous = results.get("vacuous")
+    if not vacuous and checks and known and not any(c["outcome"] == "passed" for c in checks):
+        vacuous = "no check passed (every failure is a known failure)"
+    failed = any(s.status == "failed" for s in summaries) or bool(vacuous) or bool(
+        known and known["strict"] and known["stale"])  # type: ignore[index]
     interrupted = bool(results.get("interrupted"))
     return Certificate(
         backend=dict(results["backend"]),  # type: ignore[arg-type]
@@ -140,8 +160,7 @@ def build_certificate(results: dict[str, object]) -> Certificate:
         spec=str(results["spec"]), profile=str(results["profile"]), tiers=summaries,
         status=("incomplete" if interrupted else
                 "failed" if failed or not summaries else "passed"),
-        vacuous=results.get("vacuous") or (None if summaries or interrupted
-                                           else "zero checks collected"),
+        vacuous=vacuous or (None if summaries or interrupted else "zero checks collected"),
         environment=_environment(),
         created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ"),
         checks=checks, matrix=matrix, interrupted=interrupted,
@@ -151,20 +170,29 @@ def build_certificate(results: dict[str, object]) -> Certificate:
         configurations=config_runs(list(results.get("configurations", [])),  # type: ignore[call-overload]
                                    checks),
         near_ties=near_ties(checks),
-        case_timeout=results.get("case_timeout"))  # type: ignore[arg-type]
+        case_timeout=results.get("case_timeout"),  # type: ignore[arg-type]
+        specgate_version=str(results.get("specgate_version", "")),
+        shard=results.get("shard"),  # type: ignore[arg-type]
+        selection=results.get("selection"),  # type: ignore[arg-type]
+        known_failures=known)  # type: ignore[arg-type]
 
 
 def headline(cert: Certificate) -> str:
-    return "INCOMPLETE (interrupted)" if cert.interrupted else cert.status.upper()
+    if cert.interrupted:
+        return "INCOMPLETE (interrupted)"
+    known = sum(t.counts.get(KNOWN_FAILURE, 0) for t in cert.tiers)
+    notes = [f"{known} known failure(s)"] if known else []
+    if cert.known_failures and cert.known_failures["stale"]:
+        notes.append(f"{len(cert.known_failures['stale'])} stale")  # type: ignore[arg-type]
+    return cert.status.upper() + (f" ({', '.join(notes)})" if notes else "")
 
 
 def tier_table(cert: Certificate) -> str:
-    head = "| tier | passed | failed | not claimed | skipped | seconds | status |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    lines = ["| tier | " + " | ".join(OUTCOMES) + " | seconds | status |",
+             "|---|" + "---|" * (len(OUTCOMES) + 2)]
     for t in cert.tiers:
-        c = t.counts
-        lines.append(f"| {t.tier} | {c['passed']} | {c['failed']} | {c['not claimed']} | "
-                     f"{c['skipped']} | {t.seconds} | **{t.status}** |")
+        counts = " | ".join(str(t.counts.get(o, 0)) for o in OUTCOMES)
+        lines.append(f"| {t.tier} | {counts} | {t.seconds} | **{t.status}** |")
     return "\n".join(lines)
 
 
@@ -263,13 +291,18 @@ def acceptance_lines(cert: Certificate) -> list[str]:
     return out
 
 
-def render_markdown(cert: Certificate) -> str:
+def render_markdown(cert: Certificate, where: Path = Path(".")) -> str:
+    """report.md; ``where``: the certificate directory as the user named it (replay commands
+    name their repro files under it)."""
     b = cert.backend
     out = [f"# specgate certificate: {b['name']} {b['version']}", "",
            f"- result: **{headline(cert)}**",
            f"- spec: `{cert.spec}`, profile: `{cert.profile}`, graphs: "
            f"`{cert.graphs or 'off'}`",
            f"- backend resolved from: `{b['resolved_from']}`",
+           f"- specgate: `{cert.specgate_version or 'unknown'}`"
+           + (f", shard: `{cert.shard}`" if cert.shard else "")
+           + (f", checks selected by `{cert.selection}`" if cert.selection else ""),
            f"- created: {cert.created}", ""]
     if cert.interrupted:
         out += [f"**The run was interrupted.** This certificate covers the {cert.total_checks} "
@@ -293,20 +326,19 @@ def render_markdown(cert: Certificate) -> str:
                 "|---|---|---|"]
         out += [f"| {tier} | {n} | {why} |" for tier, why, n in not_run]
         out.append("")
-    failures = [f for t in cert.tiers for f in t.failures]
-    if failures:
-        out += ["## Failures", ""]
-        out += [f"- `{f['check']}`: {f['message']}" for f in failures]
-        out.append("")
+    out += failure_lines(cert.failures, str(b["resolved_from"]), where)
+    out += known_lines(cert.known_failures)
     out += acceptance_lines(cert)
     out += figures_lines(cert.checks)
     out += ["## Environment", ""] + [f"- {k}: {v}" for k, v in cert.environment.items()]
     return "\n".join(out) + "\n"
 
 
-def write_reports(cert: Certificate, directory: Path) -> None:
+def write_reports(cert: Certificate, directory: Path, where: Path | None = None) -> None:
+    """report.md, report.json (and acceptance.png) into ``directory``; ``where``: the path the
+    user will find it under (default ``directory``)."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "report.md").write_text(render_markdown(cert))
+    (directory / "report.md").write_text(render_markdown(cert, where or directory))
     (directory / "report.json").write_text(cert.to_json() + "\n")
     if cert.acceptance_panels and not cert.plot_skipped:
         save_acceptance(cert.acceptance_panels, directory / ACCEPTANCE_PNG)

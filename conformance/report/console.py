@@ -36,13 +36,16 @@ def print_table(title: str, columns: list[str], rows: list[list[str]],
 
 
 def print_certificate(cert: Certificate, where: Path) -> None:
-    from conformance.report.certificate import headline
+    """The tier table, then the checks that did not run, each failure with the command that
+    replays it, and what the known-failures file did; ``where``: the certificate directory."""
+    from conformance.report.certificate import OUTCOMES, headline
+    from conformance.report.failures import console_lines
 
-    counts = ("passed", "failed", "not claimed", "skipped")
+    counts = OUTCOMES
     rows = []
     for t in cert.tiers:
         style = {"failed": "bold red", "passed": "green"}.get(t.status, "yellow")
-        rows.append([t.tier, *(str(t.counts[o]) for o in counts), f"{t.seconds:.1f}",
+        rows.append([t.tier, *(str(t.counts.get(o, 0)) for o in counts), f"{t.seconds:.1f}",
                      f"[{style}]{t.status}[/]"])
     print_table(f"specgate certificate for {cert.backend['name']} {cert.backend['version']}, "
                  f"spec {cert.spec}: {headline(cert)}",
@@ -51,5 +54,8 @@ def print_certificate(cert: Certificate, where: Path) -> None:
     for t in cert.tiers:
         for why, n in t.not_run.items():
             out.print(f"  {t.tier}: {n} check(s) {why}", markup=False)
+    for line in console_lines(cert.failures, str(cert.backend["resolved_from"]),
+                              cert.known_failures, where):
+        out.print(line, markup=False)
     out.print(f"reports: {where / 'report.md'}, {where / 'report.json'}, "
               f"{where / 'junit.xml'}", markup=False)

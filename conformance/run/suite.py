@@ -38,6 +38,11 @@ class SuiteOptions:
     #                                   native watchdog can end a check stuck in native code)
     stop_at_first_failure: bool = False
     case_timeout: float | None = None  # seconds per phase of a check (None: the profile's)
+    only: tuple[str, ...] = ()         # node ids to run alone (``conformance.run.only``)
+    keyword: str | None = None         # pytest's -k expression
+    shard: str | None = None           # "I/N" (``conformance.run.shard``)
+    durations: str | None = None       # the table the shards are balanced by (None: bundled)
+    repro_dir: str | None = None       # where a failing check writes its repro file
 
 
 @dataclass
@@ -74,11 +79,15 @@ def suite_dir() -> Path:
 
 
 # The plugins a suite run loads, and nothing else: auto-loading is switched off.
-SUITE_PLUGINS = ("conformance.run.plugin", "xdist.plugin")
+SUITE_PLUGINS = ("conformance.run.plugin", "conformance.run.only", "conformance.run.shard",
+                 "xdist.plugin")
 
 
 def suite_args(opts: SuiteOptions, results: Path, junit: Path | None) -> list[str]:
-    args = [str(suite_dir()), "-c", os.devnull, "--rootdir", str(suite_dir()),
+    from conformance.run.only import only_modules
+
+    where = only_modules(list(opts.only), suite_dir()) if opts.only else [str(suite_dir())]
+    args = [*where, "-c", os.devnull, "--rootdir", str(suite_dir()),
             *(arg for plugin in SUITE_PLUGINS for arg in ("-p", plugin)),
             "-p", "no:cacheprovider", "-p", "no:terminal",
             "--specgate-backend", opts.backend, "--specgate-spec", opts.spec,
@@ -95,6 +104,15 @@ def suite_args(opts: SuiteOptions, results: Path, junit: Path | None) -> list[st
         args += ["--junitxml", str(junit)]
     if opts.case_timeout is not None:
         args += ["--specgate-case-timeout", str(opts.case_timeout)]
+    args += [arg for nodeid in opts.only for arg in ("--specgate-only", nodeid)]
+    if opts.keyword:
+        args += ["-k", opts.keyword]
+    if opts.shard:
+        args += ["--specgate-shard", opts.shard]
+    if opts.durations:
+        args += ["--specgate-durations", opts.durations]
+    if opts.repro_dir:
+        args += ["--specgate-repro-dir", opts.repro_dir]
     if opts.stop_at_first_failure:
         args.append("-x")
     if opts.workers >= 1:

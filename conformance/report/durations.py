@@ -1,0 +1,37 @@
+"""``specgate report durations DIR... --out FILE``: the table ``--shard`` balances by
+(``conformance.run.shard``), recorded from certificates: per spec, each check's seconds as
+report.json gives them (the mean where several certificates ran it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from conformance.report.cert_dirs import read_cert_dir
+from conformance.report.files import output_file, write_atomically
+from conformance.run.usage import UsageError
+
+
+def durations_table(dirs: list[Path]) -> dict[str, object]:
+    seen: defaultdict[str, defaultdict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for path in dirs:
+        for spec, files in read_cert_dir(path).specs.items():
+            for check in files.report["checks"]:  # type: ignore[attr-defined]
+                seen[spec][str(check["nodeid"])].append(float(check["duration"]))
+    return {"format": 1, "durations": {
+        spec: {n: round(sum(s) / len(s), 3) for n, s in sorted(rows.items())}
+        for spec, rows in sorted(seen.items())}}
+
+
+def cmd_durations(args: argparse.Namespace) -> int:
+    out = output_file(args.out, "--out")
+    try:
+        table = durations_table([Path(d) for d in args.dirs])
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    write_atomically(out, json.dumps(table, indent=1) + "\n")
+    counts = ", ".join(f"{spec} {len(rows)}" for spec, rows in table["durations"].items())
+    print(f"durations: {out} ({counts} checks)")
+    return 0

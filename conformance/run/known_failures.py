@@ -1,0 +1,124 @@
+"""``certify --known-failures FILE``: failures a gate carries for a while, each with a reason.
+
+The file is TOML (stdlib ``tomllib``; ``tomli`` on Python 3.10), one table per check id::
+
+    [known-failures."test_lossless.py::test_greedy_matches_reference[chain-s3-n4-batch-1]"]
+    reason = "tracked in #123"
+    expires = 2026-12-31    # optional: from the next day on it excuses nothing
+    spec = "eagle"          # optional: only in this spec's certificate
+
+or the short form ``"<check id>" = "<reason>"`` inside ``[known-failures]``.
+
+It is applied to the results after the suite ran (``apply_known``), never inside pytest: a
+listed check that failed becomes a "known failure" (not passed, not failing the gate); a listed
+check that passed is "stale" (a warning, or a failure of the gate under ``--strict-known``); an
+expired entry excuses nothing, and is listed as expired with its check's outcome; a listed id
+that matches no check in a certificate is listed there as unknown (and warned about on stderr
+when it matches no check in the whole run).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field
+from datetime import date
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - the 3.10 fallback
+    import tomli as tomllib
+
+KNOWN_FAILURE = "known failure"
+SECTION = "known-failures"
+
+
+@dataclass(frozen=True)
+class KnownFailure:
+    check: str
+    reason: str
+    expires: date | None = None
+    spec: str | None = None
+
+
+@dataclass
+class KnownReport:
+    """What the entries did in one certificate; each item: check, reason, expires, outcome."""
+
+    file: str
+    strict: bool
+    known: list[dict[str, object]] = field(default_factory=list)    # failed, excused
+    stale: list[dict[str, object]] = field(default_factory=list)    # passed now
+    expired: list[dict[str, object]] = field(default_factory=list)  # excuses nothing any more
+    not_run: list[dict[str, object]] = field(default_factory=list)  # skipped or not claimed
+    unknown: list[dict[str, object]] = field(default_factory=list)  # no such check here
+
+
+def _entry(check: str, value: object, where: str) -> KnownFailure:
+    if isinstance(value, str):
+        value = {"reason": value}
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: {check!r}: expected a reason or a table, got {value!r}")
+    extra = set(value) - {"reason", "expires", "spec"}
+    if extra:
+        raise ValueError(f"{where}: {check!r}: unknown field(s) {', '.join(sorted(extra))} "
+                         f"(known: reason, expires, spec)")
+    reason, expires, spec = value.get("reason"), value.get("expires"), value.get("spec")
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValueError(f"{where}: {check!r}: needs a reason (a non-empty string)")
+    if expires is not None and (not isinstance(expires, date) or hasattr(expires, "hour")):
+        raise ValueError(f"{where}: {check!r}: expires must be a TOML date (2026-12-31), "
+                         f"got {expires!r}")
+    if spec is not None and not isinstance(spec, str):
+        raise ValueError(f"{where}: {check!r}: spec must be a string, got {spec!r}")
+    if "::" not in check:
+        raise ValueError(f"{where}: {check!r} is not a check id (file.py::name[...])")
+    return KnownFailure(check, reason.strip(), expires, spec)
+
+
+def load_known(path: Path) -> list[KnownFailure]:
+    """The entries of ``path``; ValueError (one line naming file and problem) if it cannot be
+    read, does not parse, or holds a bad field."""
+    where = f"--known-failures {path}"
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as err:
+        raise ValueError(f"{where}: cannot read it ({err.strerror or err})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{where}: not valid TOML ({err})") from None
+    extra = set(data) - {SECTION}
+    if extra or not isinstance(data.get(SECTION, {}), dict):
+        raise ValueError(f"{where}: expected only a [{SECTION}] table, found "
+                         f"{', '.join(sorted(extra)) or type(data[SECTION]).__name__}")
+    return [_entry(check, value, where) for check, value in data.get(SECTION, {}).items()]
+
+
+def apply_known(results: dict[str, object], entries: list[KnownFailure], file: str,
+                strict: bool, today: date) -> dict[str, object]:
+    """``results`` with listed failures turned into known failures, and a ``known_failures``
+    record of what every entry for this spec did."""
+    spec = results["spec"]
+    mine = {e.check: e for e in entries if e.spec in (None, spec)}
+    report = KnownReport(file, strict)
+    checks = []
+    for row in results["checks"]:  # type: ignore[attr-defined]
+        entry = mine.pop(str(row["nodeid"]), None)
+        if entry is None:
+            checks.append(row)
+            continue
+        item = {"check": entry.check, "reason": entry.reason, "outcome": row["outcome"],
+                "expires": entry.expires.isoformat() if entry.expires else None}
+        if entry.expires is not None and entry.expires < today:
+            report.expired.append(item)
+        elif row["outcome"] == "failed":
+            row = {**row, "outcome": KNOWN_FAILURE, "known_reason": entry.reason}
+            report.known.append(item)
+        elif row["outcome"] == "passed":
+            report.stale.append(item)
+        else:
+            report.not_run.append(item)
+        checks.append(row)
+    report.unknown = [{"check": e.check, "reason": e.reason, "outcome": None,
+                       "expires": e.expires.isoformat() if e.expires else None}
+                      for e in mine.values()]
+    return {**results, "checks": checks, "known_failures": asdict(report)}

@@ -1,0 +1,170 @@
+"""``--known-failures FILE``: listed failures are known (not passed, not failing the gate), a
+listed check that passes is stale (failing the gate under ``--strict-known``), an expired entry
+excuses nothing, an id that matches no check is warned about; the certificate lists them all;
+a bad file is one line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from datetime import date
+from pathlib import Path
+
+import pytest
+
+from conformance.report.certificate import build_certificate, render_markdown
+from conformance.report.failures import console_lines
+from conformance.report.junit import mark_known
+from conformance.run.known_failures import KnownFailure, apply_known, load_known
+from tests.test_cli import assert_usage_error, run
+from tests.test_merge import results
+
+TODAY = date(2026, 6, 1)
+CHECKS = [("test_a.py::fails", "failed", 1.0), ("test_a.py::passes", "passed", 1.0),
+          ("test_a.py::old", "failed", 1.0), ("test_a.py::gated", "not claimed", 0.0)]
+ENTRIES = [KnownFailure("test_a.py::fails", "tracked in #1", date(2026, 12, 31)),
+           KnownFailure("test_a.py::passes", "fixed upstream?"),
+           KnownFailure("test_a.py::old", "was flaky", date(2026, 5, 31)),
+           KnownFailure("test_a.py::gated", "needs trees"),
+           KnownFailure("test_a.py::gone", "renamed"),
+           KnownFailure("test_a.py::passes", "other spec only", spec="eagle")]
+
+
+def applied(strict: bool = False) -> dict[str, object]:
+    return apply_known(results("none", CHECKS), ENTRIES, "kf.toml", strict, TODAY)
+
+
+def test_each_entry_is_known_stale_expired_not_run_or_unknown() -> None:
+    done = applied()
+    outcomes = {c["nodeid"]: c["outcome"] for c in done["checks"]}  # type: ignore[attr-defined]
+    assert outcomes == {"test_a.py::fails": "known failure", "test_a.py::passes": "passed",
+                        "test_a.py::old": "failed", "test_a.py::gated": "not claimed"}
+    known = done["known_failures"]
+    assert [[i["check"] for i in known[k]] for k in  # type: ignore[index]
+            ("known", "stale", "expired", "not_run", "unknown")] == [
+        ["test_a.py::fails"], ["test_a.py::passes"], ["test_a.py::old"], ["test_a.py::gated"],
+        ["test_a.py::gone"]]
+
+
+def test_a_known_failure_does_not_fail_the_gate_an_expired_one_does() -> None:
+    cert = build_certificate(applied())
+    assert cert.status == "failed"  # test_a.py::old expired: its failure counts again
+    fresh = [e for e in ENTRIES if e.check != "test_a.py::old"]
+    checks = [c for c in CHECKS if c[0] != "test_a.py::old"]
+    ok = build_certificate(apply_known(results("none", checks), fresh, "kf.toml", False, TODAY))
+    assert ok.status == "passed"
+    tier = ok.tiers[0]
+    assert tier.counts["known failure"] == 1 and tier.counts["passed"] == 1 and not tier.failures
+    strict = build_certificate(apply_known(results("none", checks), fresh, "kf.toml", True,
+                                           TODAY))
+    assert strict.status == "failed"  # the stale entry, under --strict-known
+    assert "PASSED (1 known failure(s), 1 stale)" in render_markdown(ok)
+
+
+def test_only_known_failures_is_no_pass() -> None:
+    done = apply_known(results("none", CHECKS[:1]), ENTRIES, "kf.toml", False, TODAY)
+    cert = build_certificate(done)
+    assert cert.status == "failed" and "known failure" in str(cert.vacuous)
+
+
+def test_the_certificate_lists_them_all() -> None:
+    md = render_markdown(build_certificate(applied()))
+    section = md.split("## Known failures")[1]
+    for needle in ("From `kf.toml`", "**known failure: 1**", "`test_a.py::fails`: tracked in "
+                   "#1, until 2026-12-31", "**stale: 1**", "`test_a.py::passes`: fixed upstream?",
+                   "**expired: 1**", "`test_a.py::old`: was flaky, until 2026-05-31 (outcome: "
+                   "failed)", "**listed, did not run: 1**", "**listed, no such check: 1**",
+                   "`test_a.py::gone`: renamed"):
+        assert needle in section, needle
+    lines = console_lines([], "b", applied()["known_failures"], Path("r"))  # type: ignore[arg-type]
+    assert "  stale: test_a.py::passes: fixed upstream?" in lines
+    assert "  listed, no such check: test_a.py::gone: renamed" in lines
+
+
+def test_known_failures_are_skipped_in_junit(tmp_path: Path) -> None:
+    path = tmp_path / "junit.xml"
+    path.write_text('<testsuites><testsuite tests="2" failures="2">'
+                    '<testcase classname="test_a" name="fails"><failure message="x"/></testcase>'
+                    '<testcase classname="test_a" name="old"><failure message="y"/></testcase>'
+                    "</testsuite></testsuites>")
+    mark_known(path, {"test_a.py::fails": "tracked in #1"})
+    suite = ET.parse(path).getroot().find("testsuite")
+    assert suite is not None and (suite.get("failures"), suite.get("skipped")) == ("1", "1")
+    skipped = suite.find("testcase/skipped")
+    assert skipped is not None and skipped.get("message") == "known failure: tracked in #1"
+
+
+GOOD = '''
+[known-failures]
+"test_a.py::short" = "the short form"
+
+[known-failures."test_a.py::long[x,y]"]
+reason = "the long form"
+expires = 2026-12-31
+spec = "eagle"
+'''
+
+
+def test_the_file_parses(tmp_path: Path) -> None:
+    (tmp_path / "kf.toml").write_text(GOOD)
+    assert load_known(tmp_path / "kf.toml") == [
+        KnownFailure("test_a.py::short", "the short form"),
+        KnownFailure("test_a.py::long[x,y]", "the long form", date(2026, 12, 31), "eagle")]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[known-failures\n", "not valid TOML"),
+    ('[known-failures."t.py::a"]\nreason = "r"\nowner = "me"\n', "unknown field(s) owner"),
+    ('[known-failures."t.py::a"]\nexpires = 2026-01-01\n', "needs a reason"),
+    ('[known-failures."t.py::a"]\nreason = "r"\nexpires = "soon"\n', "expires must be a TOML date"),
+    ('[known-failures]\n"t.py::a" = 3\n', "expected a reason or a table"),
+    ('[known-failures]\n"not-an-id" = "r"\n', "is not a check id"),
+    ('[other]\n"t.py::a" = "r"\n', "expected only a [known-failures] table"),
+])
+def test_a_bad_file_is_one_line_exit_2_nothing_written(
+        capsys: pytest.CaptureFixture[str], random_model_dir: Path, tmp_path: Path, text: str,
+        needle: str) -> None:
+    (tmp_path / "kf.toml").write_text(text)
+    code, _, err = run(capsys, "certify", "--spec", "none", "--model", str(random_model_dir),
+                       "--known-failures", str(tmp_path / "kf.toml"), "--report",
+                       str(tmp_path / "r"))
+    assert_usage_error(code, err, "--known-failures", needle)
+    assert [p.name for p in tmp_path.iterdir()] == ["kf.toml"]
+
+
+def test_strict_known_needs_a_file(capsys: pytest.CaptureFixture[str], random_model_dir: Path,
+                                   tmp_path: Path) -> None:
+    code, _, err = run(capsys, "certify", "--spec", "none", "--model", str(random_model_dir),
+                       "--strict-known", "--report", str(tmp_path / "r"))
+    assert_usage_error(code, err, "--strict-known needs --known-failures")
+
+
+def test_certify_with_known_failures(capsys: pytest.CaptureFixture[str],
+                                     random_model_dir: Path, tmp_path: Path) -> None:
+    """A mutant's failures listed as known pass the gate, a listed check that passes is stale
+    (the gate fails under --strict-known), an id of no check is warned about on stderr."""
+    common = ["certify", "--spec", "none", "--backend", "mutant:ignores_stop_token_ids",
+              "--model", str(random_model_dir), "-n", "0", "-k", "test_stop or test_max_new_tokens"]
+    assert run(capsys, *common, "--report", str(tmp_path / "plain"))[0] == 1
+    failed = [c for c, o in verdicts(tmp_path / "plain").items() if o == "failed"]
+    kf = tmp_path / "kf.toml"
+    kf.write_text("[known-failures]\n" + "".join(f'"{c}" = "the stop-token bug"\n' for c in failed)
+                  + '"test_lifecycle.py::test_max_new_tokens[1]" = "stale by now"\n'
+                  + '"test_lifecycle.py::no_such_check" = "renamed"\n')
+    code, out, err = run(capsys, *common, "--known-failures", str(kf), "--report",
+                         str(tmp_path / "known"))
+    assert code == 0, out
+    assert set(verdicts(tmp_path / "known").values()) == {"passed", "known failure"}
+    assert ("warning: --known-failures lists test_lifecycle.py::no_such_check: matches no "
+            "check of this run") in err
+    assert "stale: test_lifecycle.py::test_max_new_tokens[1]" in out
+    md = (tmp_path / "known" / "report.md").read_text()
+    assert "stale by now" in md and "PASSED (" in md
+    code, _, _ = run(capsys, *common, "--known-failures", str(kf), "--strict-known",
+                     "--report", str(tmp_path / "strict"))
+    assert code == 1
+
+
+def verdicts(report_dir: Path) -> dict[str, str]:
+    report = json.loads((report_dir / "report.json").read_text())
+    return {c["nodeid"]: c["outcome"] for c in report["checks"]}
