@@ -48,7 +48,8 @@ class TierSummary:
     counts: dict[str, int]
     status: str
     seconds: float
-    failures: list[dict[str, str]] = field(default_factory=list)  # check, message[, repro]
+    # check, message[, repro, repro_reproduces: "yes" | "no"]
+    failures: list[dict[str, str]] = field(default_factory=list)
     not_run: dict[str, int] = field(default_factory=dict)  # "outcome: reason" -> checks
 
 
@@ -140,7 +141,9 @@ def build_certificate(results: dict[str, object]) -> Certificate:
             tier, {o: counts[o] for o in OUTCOMES}, _status(counts),
             round(sum(float(r["duration"]) for r in rows), 2),
             [{"check": str(r["nodeid"]), "message": str(r["message"]),
-              **({"repro": str(r["repro"])} if r.get("repro") else {})}
+              **({"repro": str(r["repro"]),
+                  "repro_reproduces": "yes" if r.get("repro_reproduces") else "no"}
+                 if r.get("repro") else {})}
              for r in rows if r["outcome"] == "failed"], _not_run(rows)))
     matrix: dict[str, dict[str, str]] = {}
     for tier, rows in sorted(tiers.items()):

@@ -7,7 +7,9 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-Failure = dict[str, str]           # check, message[, repro] (``TierSummary.failures``)
+Failure = dict[str, str]  # check, message[, repro, repro_reproduces] (``TierSummary.failures``)
+NOT_REPLAYABLE = ("its scenario replays clean: what failed is this check's own assertion, not "
+                  "one a replay checks; rerun the check alone with certify --only")
 Known = dict[str, object] | None    # ``KnownReport`` as report.json holds it
 
 
@@ -27,7 +29,9 @@ def failure_lines(failures: list[Failure], backend: str, where: Path) -> list[st
     out = ["## Failures", ""]
     for f in failures:
         out.append(f"- `{f['check']}`: {f['message']}")
-        if f.get("repro"):
+        if f.get("repro") and f.get("repro_reproduces") == "no":
+            out.append(f"  - repro file `{where / f['repro']}`: {NOT_REPLAYABLE}")
+        elif f.get("repro"):
             out.append(f"  - replay: `{repro_command(backend, where, f['repro'])}`")
     return [*out, ""]
 
@@ -70,7 +74,9 @@ def console_lines(failures: list[Failure], backend: str, known: Known, where: Pa
     for f in failures:
         first = f["message"].strip().splitlines()[0][:200] if f["message"].strip() else ""
         out.append(f"  FAILED {f['check']}: {first}")
-        if f.get("repro"):
+        if f.get("repro") and f.get("repro_reproduces") == "no":
+            out.append(f"    repro file {where / f['repro']}: {NOT_REPLAYABLE}")
+        elif f.get("repro"):
             out.append(f"    replay: {repro_command(backend, where, f['repro'])}")
     if known is not None:
         for kind, name, _ in _KINDS:

@@ -32,7 +32,7 @@ def with_spec(scenario: Scenario, name: str) -> Scenario:
 
 
 def cmd_repro(args: argparse.Namespace) -> int:
-    from conformance.repro.replay import NotApplicable, replay
+    from conformance.repro.replay import NotApplicable, check_applicable, replay
     from conformance.run.registry import BackendError, load_backend
 
     try:
@@ -46,15 +46,13 @@ def cmd_repro(args: argparse.Namespace) -> int:
     name = args.backend or scenario.backend or DEFAULT_BACKEND
     try:
         backend = load_backend(name)
-    except BackendError as err:
+        check_applicable(scenario, name, backend.capabilities())
+    except (BackendError, NotApplicable) as err:
         raise UsageError(str(err)) from None
     print(f"specgate repro: {args.file} ({scenario.check or 'no check named'}): "
           f"{len(scenario.runs)} run(s), {scenario.action_count} actions, on backend {name}",
           file=sys.stderr)
-    try:
-        found = replay(scenario, backend)
-    except NotApplicable as err:
-        raise UsageError(str(err)) from None
+    found = replay(scenario, backend)
     if found is None:
         print(f"clean: backend {name} passes every check of the scenario")
         if scenario.failure:

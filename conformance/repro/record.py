@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from conformance.contract import Backend
+from conformance.report.report_dir import REPRO_DIR
 from conformance.repro.scenario import Scenario, save
 from conformance.run.driver import Driver
 
-REPRO_DIR = "repro"
 MAX_NAME = 120
 
 

@@ -126,7 +126,7 @@ class ActionRunner:
     oracle: ReferenceOracle
     epsilon: float
     run: int = 0
-    index: int = 0  # of the action being applied
+    index: int = 0  # of the action being applied, in the driver's record (steps merged)
     near_ties: list[str] = field(default_factory=list)
     _watched: dict[str, _Watched] = field(default_factory=dict)
     _label: str = ""                 # the action being applied, as the divergence names it
@@ -165,7 +165,15 @@ class ActionRunner:
         except Exception as err:  # the block still shows what the failing call was
             return f"(memory() raised {_raised(err)})"
 
-    def apply(self, action: Action, label: str = "") -> None:
+    def apply(self, action: Action, label: str = "", index: int | None = None) -> None:
+        """``label``: how a divergence names the action (default: the action itself);
+        ``index``: its place in the scenario (default: in the driver's record so far)."""
+        if index is not None:
+            self.index = index
+        elif not label:
+            log = self.driver.actions
+            merges = isinstance(action, Step) and bool(log) and isinstance(log[-1], Step)
+            self.index = len(log) - 1 if merges else len(log)
         self._label = label or describe(action)
         self._before = None if isinstance(action, Step) else self._memory()
         try:
@@ -181,8 +189,6 @@ class ActionRunner:
             expected = ("the suite's invariants hold" if isinstance(err, InvariantError)
                         else "the call returns")
             self._diverge(getattr(action, "rid", None), expected, came, err)
-        finally:
-            self.index += 1
 
     def _call(self, action: Action) -> None:
         d = self.driver
@@ -209,16 +215,16 @@ class ActionRunner:
             elif isinstance(ev, FinishEvent):
                 self._check_tokens(ev.rid, final=ev)
 
-    def drain(self, max_steps: int) -> None:
-        """Step until nothing is live (what every run ends with)."""
-        start = self.driver.steps
+    def drain(self, max_steps: int, index: int) -> None:
+        """Step until nothing is live (what every run ends with); ``index``: its place in the
+        scenario, after the last action."""
+        start, self.index = self.driver.steps, index
         while self.driver.live:
             if self.driver.steps - start >= max_steps:
                 self._label = "run to completion"
                 self._diverge(None, "every request finishes", f"no progress after {max_steps} "
                               f"steps: {sorted(self.driver.live)[:5]} still live")
             self.apply(Step(), "run to completion")
-            self.index -= 1  # every drain step is the same pseudo-action
 
     def _check_tokens(self, rid: str, final: FinishEvent | None) -> None:
         """``rid``'s output so far against the reference; at its finish, also its length and
@@ -291,9 +297,9 @@ def replay(scenario: Scenario, backend: Backend, oracle: ReferenceOracle | None 
         except Diverged as err:
             return err.divergence
         try:
-            for action in run.actions:
-                runner.apply(action)
-            runner.drain(step_allowance(run))
+            for index, action in enumerate(run.actions):
+                runner.apply(action, index=index)
+            runner.drain(step_allowance(run), len(run.actions))
         except Diverged as err:
             with contextlib.suppress(Diverged):  # the first divergence is the one to show
                 runner.close()

@@ -111,7 +111,6 @@ def _certify_one(args: argparse.Namespace, spec: SpecChoice, out_dir: Path, fini
 
     from conformance.report.certificate import indent_junit
     from conformance.report.progress import TierProgress
-    from conformance.report.report_dir import REPRO_DIR
     from conformance.run.suite import SuiteOptions, run_suite
 
     sel = finish.selection
@@ -124,7 +123,7 @@ def _certify_one(args: argparse.Namespace, spec: SpecChoice, out_dir: Path, fini
                         workers=args.workers, graphs=args.graphs,
                         case_timeout=args.case_timeout, only=sel.only, keyword=sel.keyword,
                         shard=sel.shard, durations=args.durations,
-                        repro_dir=str(out_dir / REPRO_DIR))
+                        repro_dir=str(out_dir))
     with tempfile.TemporaryDirectory() as tmp:
         run = run_suite(opts, Path(tmp) / "results.json", junit, (TierProgress(console),))
     if junit.exists():

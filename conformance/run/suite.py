@@ -42,7 +42,8 @@ class SuiteOptions:
     keyword: str | None = None         # pytest's -k expression
     shard: str | None = None           # "I/N" (``conformance.run.shard``)
     durations: str | None = None       # the table the shards are balanced by (None: bundled)
-    repro_dir: str | None = None       # where a failing check writes its repro file
+    repro_dir: str | None = None       # the certificate directory: a failing check writes
+    #                                   its repro file into its repro/
 
 
 @dataclass

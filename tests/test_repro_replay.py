@@ -1,0 +1,105 @@
+"""A failing check's repro file, end to end: certify against a bug-zoo mutant leaves one, the
+certificate shows the command that replays it, ``specgate repro`` exits 1 on the mutant and 0 on
+the reference engine, and the pytest module ``--emit-pytest`` writes does the same under plain
+pytest (through the plugin's ``specgate_backend`` fixture)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance.cli import main
+from conformance.contract import OpenConfig, SamplingParams
+from conformance.repro.replay import replay
+from conformance.repro.scenario import (
+    Abort,
+    OpenSession,
+    Run,
+    Scenario,
+    Step,
+    Submit,
+    load,
+    save,
+)
+from conformance.run.registry import load_backend
+
+MUTANT = "mutant:max_new_tokens_off_by_one"
+CHECK = "test_lifecycle.py::test_max_new_tokens[2]"
+
+
+@pytest.fixture(scope="module")
+def certified(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    report = tmp_path_factory.mktemp("cert") / "report"
+    code = main(["certify", "--backend", MUTANT, "--spec", "none", "--only", CHECK, "-n", "0",
+                 "--report", str(report)])
+    assert code == 1
+    return report
+
+
+def test_a_failing_check_leaves_a_repro_and_the_command(certified: Path) -> None:
+    row = next(c for c in json.loads((certified / "report.json").read_text())["checks"]
+               if c["nodeid"] == CHECK)
+    assert row["outcome"] == "failed" and row["repro_reproduces"] is True
+    repro = certified / row["repro"]
+    assert repro.parent.name == "repro" and repro.is_file()
+    scenario = load(repro)
+    assert scenario.check == CHECK and scenario.backend == MUTANT and scenario.failure
+    assert f"specgate repro {repro} --backend {MUTANT}" in (certified / "report.md").read_text()
+
+
+def test_repro_exits_1_on_the_mutant_and_0_on_refengine(
+        certified: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (repro,) = (certified / "repro").glob("*.json")
+    assert main(["repro", str(repro)]) == 1  # the recorded backend by default
+    out = capsys.readouterr().out
+    assert "first divergence" in out and "expected:" in out and "came:" in out, out
+    assert main(["repro", str(repro), "--backend", "refengine"]) == 0
+    assert "clean" in capsys.readouterr().out
+
+
+def test_the_emitted_module_does_the_same_under_pytest(certified: Path, tmp_path: Path) -> None:
+    (repro,) = (certified / "repro").glob("*.json")
+    module = tmp_path / "test_regression.py"
+    assert main(["repro", str(repro), "--emit-pytest", str(module)]) == 0
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    outcomes = {}
+    for backend in (MUTANT, "refengine"):
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+             "-p", "no:randomly", str(module), "--specgate-backend", backend],
+            cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
+        outcomes[backend] = (done.returncode, done.stdout)
+    code, out = outcomes[MUTANT]
+    assert code == 1 and "first divergence" in out and "got more" in out, out
+    assert outcomes["refengine"][0] == 0, outcomes["refengine"][1]
+
+
+def test_replay_names_the_step_request_and_memory_of_a_leak() -> None:
+    """A scenario written by hand (one aborted request beside a finishing one) against the
+    mutant that leaks an aborted request's row: the divergence is the idle check's, with the
+    memory view before and after."""
+    run = Run(OpenConfig(model="tiny-code", page_size=4, kv_pool_tokens=256),
+              (Submit("a", (5, 6, 7, 8), SamplingParams(max_new_tokens=3, ignore_eos=True)),
+               Submit("b", (9, 10, 11), SamplingParams(max_new_tokens=9, ignore_eos=True)),
+               Step(2), Abort("b")))
+    scenario = Scenario((run,))
+    assert replay(scenario, load_backend("refengine")) is None
+    found = replay(scenario, load_backend("mutant:abort_leaks_row"))
+    assert found is not None and "M4 idle" in found.came and "rows" in found.came
+    assert found.memory_before and found.memory_after and found.step >= 3
+    assert found.action == "run to completion" and found.action_index == len(run.actions)
+
+
+def test_a_backend_lacking_a_capability_is_refused(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    run = Run(OpenConfig(model="tiny-code"), (OpenSession("s"), Step()))
+    path = tmp_path / "sessions.json"
+    save(Scenario((run,)), path)
+    assert main(["repro", str(path), "--backend", "ctranslate2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not claim" in err[0] and "sessions" in err[0], err
