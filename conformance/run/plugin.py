@@ -47,7 +47,7 @@ from conformance.run.specs import SpecChoice, resolve_specs
 from refengine.config import GRAPH_EXECUTORS
 
 NOT_CLAIMED = "not claimed"
-LAST_TIER = "fuzz"
+LONG_TIER = "fuzz"
 DEFAULT_BACKEND = "refengine"
 
 
@@ -254,10 +254,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.user_properties.append(("specgate_requires", ",".join(needs)))
         if missing:
             item.add_marker(pytest.mark.skip(reason=f"{NOT_CLAIMED}: {', '.join(missing)}"))
-    # Last: the fuzz tier shrinks what it finds, the longest way to fail; a run stopping at its
-    # first failure (``specgate mutants``) then fails by a hand-written check where one catches
-    # the bug.
-    items.sort(key=lambda i: tier_of(i.nodeid) == LAST_TIER)
+    # The fuzz tier is one long check. In-process it goes last: it shrinks what it finds, the
+    # longest way to fail, and a run stopping at its first failure (``specgate mutants``) then
+    # fails by a hand-written check where one catches the bug. Under xdist it goes first, so
+    # one worker runs it while the others take the rest, instead of it running alone at the end.
+    in_worker = getattr(config, "workerinput", None) is not None
+    items.sort(key=lambda i: (tier_of(i.nodeid) == LONG_TIER) != in_worker)
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ class Profile:
 
 
 PROFILES = {
-    "gate": Profile("gate", "small", 32, (512,), fuzz_examples=10,
+    "gate": Profile("gate", "small", 32, (512,), fuzz_examples=5,
                     fuzz_shrink_seconds=90),
     "full": Profile("full", "default", 64, (512, 1024, 2048), fuzz_examples=100,
                     fuzz_shrink_seconds=300),

@@ -18,7 +18,7 @@ from functools import partial
 
 import hypothesis
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from conformance.repro.fuzz import FuzzTarget, machine_for, shrink_budget
@@ -37,6 +37,7 @@ def test_state_machine(sg: SuiteContext, record_property) -> None:
     chosen = settings(max_examples=sg.profile.fuzz_examples,
                       stateful_step_count=STEPS_PER_EXAMPLE, derandomize=True, database=None,
                       deadline=None, print_blob=False, report_multiple_bugs=False,
+                      phases=(Phase.generate, Phase.shrink),
                       suppress_health_check=list(HealthCheck))
     record_property("fuzz", f"hypothesis {hypothesis.__version__}, derandomized, "
                             f"{sg.profile.fuzz_examples} examples of at most "
