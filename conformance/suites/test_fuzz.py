@@ -8,8 +8,9 @@ Deterministic: Hypothesis runs derandomized (its seed is fixed by the test, not 
 no example database, so a profile always runs the same examples; the certificate records the
 settings. A failure is shrunk by Hypothesis, and the check's repro file is the shrunk scenario.
 
-Requires stepwise (and the spec's algorithm); what else the machine does depends on what the
-backend claims (abort, sessions, sampling, memory_view, forced_retract).
+Requires only the spec's algorithm: a run-to-completion backend takes submits between its steps
+too. What else the machine does depends on what the backend claims (abort, sessions, sampling,
+memory_view, forced_retract).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from conformance.repro.fuzz import FuzzTarget, machine_for, shrink_budget
 from conformance.run.plugin import SuiteContext
 
-pytestmark = [pytest.mark.specgate_tier("fuzz"), pytest.mark.specgate_requires("stepwise")]
+pytestmark = pytest.mark.specgate_tier("fuzz")
 
 STEPS_PER_EXAMPLE = 16  # rules per example at most
 
