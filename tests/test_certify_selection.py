@@ -139,6 +139,16 @@ def test_a_failure_shows_the_command_that_replays_it(tmp_path: Path) -> None:
     assert "- `test_a.py::one`: boom\n\n" in md  # no repro file, nothing extra
 
 
+def test_a_repro_that_does_not_reproduce_offers_no_command(tmp_path: Path) -> None:
+    """A check that failed on its own assertion left a scenario that replays clean: the
+    certificate names the file and says so, and offers no replay command."""
+    res = results("none", [("test_a.py::two", "failed", 1.0)])
+    res["checks"][0]["repro_reproduces"] = False  # type: ignore[index]
+    md = render_markdown(build_certificate(res), tmp_path)
+    assert "specgate repro" not in md
+    assert f"repro file `{tmp_path}/repro/two.json`: its scenario replays clean" in md
+
+
 def test_a_report_dir_may_hold_repro_files(tmp_path: Path) -> None:
     (tmp_path / "repro").mkdir()
     (tmp_path / "repro" / "test_a.py__x.json").write_text("{}")

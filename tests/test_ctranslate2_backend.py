@@ -174,6 +174,15 @@ def test_greedy_equals_refengine(pair: tuple[CT2Handle, EngineHandle], prompts: 
     both(pair, [(f"g{ignore_eos}-{i}", p, params) for i, p in enumerate(prompts)])
 
 
+def test_a_one_token_prompt_beside_longer_ones(pair: tuple[CT2Handle, EngineHandle],
+                                              prompts: list[list[int]]) -> None:
+    """Found by the fuzz tier: a generate_batch call mixing a one-token prompt with longer ones
+    handed the longer rows' prompt tokens to the callback as if generated."""
+    params = SamplingParams(max_new_tokens=4)
+    both(pair, [("long", prompts[0], params), ("one", prompts[1][:1], params),
+                ("other", prompts[2], params)])
+
+
 def test_batches_split_by_max_running_requests(random_model_dir: Path, prompts: list[list[int]],
                                                greedy_long: list[list[int]]) -> None:
     ct2 = backend().open(OpenConfig(model=str(random_model_dir), max_running_requests=2))

@@ -24,8 +24,8 @@ def results(spec: str, checks: list[tuple[str, str, float]], **extra: object
             "checks": [{"nodeid": n, "tier": n.split(".py")[0].removeprefix("test_"),
                         "requires": "algorithm:none", "outcome": o, "duration": d,
                         "message": "boom" if o == "failed" else "", "figures": {},
-                        **({"repro": f"repro/{n.split('::')[1]}.json"} if o == "failed"
-                           else {})}
+                        **({"repro": f"repro/{n.split('::')[1]}.json",
+                            "repro_reproduces": True} if o == "failed" else {})}
                        for n, o, d in checks], **extra}
 
 

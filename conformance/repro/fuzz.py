@@ -134,12 +134,13 @@ class AdapterMachine(RuleBasedStateMachine):
         return self.runner.driver.live if self.runner else set()
 
     def _prompt(self, data: st.DataObject) -> list[int]:
-        kinds = ["set", "set", "cut"] + ([] if self.tight else ["long"])
+        # boundaries a prompt can cross with room for its output (a small model may have none)
+        limit = context_limit(self.target.oracle.model)
+        boundaries = [b for b in BOUNDARIES if b + 2 * MAX_NEW < limit]
+        kinds = ["set", "set", "cut"] + ([] if self.tight or not boundaries else ["long"])
         kind = data.draw(st.sampled_from(kinds), label="prompt kind")
         if kind == "long":
-            limit = context_limit(self.target.oracle.model)
-            boundary = data.draw(st.sampled_from([b for b in BOUNDARIES if b < limit - 64]),
-                                 label="boundary")
+            boundary = data.draw(st.sampled_from(boundaries), label="boundary")
             length = boundary + data.draw(st.integers(-24, 24), label="past the boundary by")
             return list(long_prompt(length, offset=boundary, model=self.target.oracle.model))
         case = data.draw(st.sampled_from(self.target.prompts), label="prompt")

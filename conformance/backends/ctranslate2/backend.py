@@ -75,6 +75,14 @@ def _sampling_key(job: QueuedJob) -> tuple[float, int, float]:
     return (float(p.temperature), max(p.top_k, 0), float(p.top_p))  # top-k 0: no limit
 
 
+def _batch_key(job: QueuedJob) -> tuple[tuple[float, int, float], bool]:
+    """The sampling options, and whether the prompt is a single token: in a generate_batch
+    call that mixes a one-token prompt with longer ones, CTranslate2 hands the longer rows'
+    prompt tokens past the first to the callback as if generated, so such prompts get calls
+    of their own (found by the fuzz tier; ``tests/test_ctranslate2_backend.py``)."""
+    return _sampling_key(job), len(job.req.prompt_ids) == 1
+
+
 THREADS_ENV = "SPECGATE_CTRANSLATE2_THREADS"
 
 
@@ -122,7 +130,7 @@ class CT2Handle(QueuedHandle):
         return QueuedJob(req, rule)
 
     def run(self, jobs: list[QueuedJob]) -> None:
-        for _, same in groupby(sorted(jobs, key=_sampling_key), key=_sampling_key):
+        for _, same in groupby(sorted(jobs, key=_batch_key), key=_batch_key):
             for batch in self.batches(list(same)):
                 self._generate(batch)
 
@@ -140,7 +148,7 @@ class CT2Handle(QueuedHandle):
         def on_token(step: ctranslate2.GenerationStepResult) -> bool:
             return jobs[step.batch_id].append(step.token_id)
 
-        temperature, top_k, top_p = _sampling_key(jobs[0])
+        temperature, top_k, top_p = _sampling_key(jobs[0])  # the same for every row
         self.generator.generate_batch(
             [[self.vocabulary[t] for t in job.req.prompt_ids] for job in jobs],
             max_length=max(job.rule.max_output for job in jobs), end_token=[],
