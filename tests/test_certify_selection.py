@@ -149,6 +149,13 @@ def test_a_repro_that_does_not_reproduce_offers_no_command(tmp_path: Path) -> No
     assert f"repro file `{tmp_path}/repro/two.json`: its scenario replays clean" in md
 
 
+def test_a_timed_out_check_offers_the_command_unreplayed(tmp_path: Path) -> None:
+    res = results("none", [("test_a.py::two", "failed", 1.0)])
+    res["checks"][0]["repro_reproduces"] = None  # type: ignore[index]
+    md = render_markdown(build_certificate(res), tmp_path)
+    assert "specgate repro" in md and "not replayed at the time: the check timed out" in md
+
+
 def test_a_report_dir_may_hold_repro_files(tmp_path: Path) -> None:
     (tmp_path / "repro").mkdir()
     (tmp_path / "repro" / "test_a.py__x.json").write_text("{}")

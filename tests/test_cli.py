@@ -175,8 +175,8 @@ def test_a_new_report_replaces_the_old_one_whole(capsys: pytest.CaptureFixture[s
                      "--spec", "none", "--model", str(random_model_dir), "-n", "0",
                      "--report", str(report))
     assert code == 1
-    assert sorted(p.name for p in report.iterdir()) == ["junit.xml", "repro", "report.json",
-                                                        "report.md"]
+    assert sorted(p.name for p in report.iterdir()) == ["junit.xml", "report.json", "report.md",
+                                                        "repro"]
     assert list((report / "repro").glob("*.json"))  # the failing checks' scenarios
     assert "FAILED" in (report / "report.md").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]  # no staging left

@@ -48,7 +48,7 @@ class TierSummary:
     counts: dict[str, int]
     status: str
     seconds: float
-    # check, message[, repro, repro_reproduces: "yes" | "no"]
+    # check, message[, repro, repro_reproduces: "yes" | "no" | "not replayed"]
     failures: list[dict[str, str]] = field(default_factory=list)
     not_run: dict[str, int] = field(default_factory=dict)  # "outcome: reason" -> checks
 
@@ -142,7 +142,8 @@ def build_certificate(results: dict[str, object]) -> Certificate:
             round(sum(float(r["duration"]) for r in rows), 2),
             [{"check": str(r["nodeid"]), "message": str(r["message"]),
               **({"repro": str(r["repro"]),
-                  "repro_reproduces": "yes" if r.get("repro_reproduces") else "no"}
+                  "repro_reproduces": {True: "yes", False: "no"}.get(
+                      r.get("repro_reproduces"), "not replayed")}  # type: ignore[arg-type]
                  if r.get("repro") else {})}
              for r in rows if r["outcome"] == "failed"], _not_run(rows)))
     matrix: dict[str, dict[str, str]] = {}

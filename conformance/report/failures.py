@@ -32,7 +32,9 @@ def failure_lines(failures: list[Failure], backend: str, where: Path) -> list[st
         if f.get("repro") and f.get("repro_reproduces") == "no":
             out.append(f"  - repro file `{where / f['repro']}`: {NOT_REPLAYABLE}")
         elif f.get("repro"):
-            out.append(f"  - replay: `{repro_command(backend, where, f['repro'])}`")
+            unknown = (" (not replayed at the time: the check timed out, and so may a replay)"
+                       if f.get("repro_reproduces") == "not replayed" else "")
+            out.append(f"  - replay: `{repro_command(backend, where, f['repro'])}`{unknown}")
     return [*out, ""]
 
 

@@ -4,9 +4,10 @@ The plugin keeps the drivers a check opened (``RecordedRuns``); when the check f
 runs become one scenario, named after the check and carrying its failure message, and the
 check's row in the results says where the file is (``repro``, relative to the report
 directory) and whether replaying it against the same backend reproduces the failure
-(``repro_reproduces``): a check whose own assertion (a statistic, a count) is not one of the
-scenario's generic checks records a scenario that replays clean, and the certificate says so
-rather than offering a command that proves nothing.
+(``repro_reproduces``; None where it was not replayed, after a timeout): a check whose own
+assertion (a statistic, a count) is not one of the scenario's generic checks records a
+scenario that replays clean, and the certificate says so rather than offering a command that
+proves nothing. An interrupted check (Ctrl-C) leaves nothing.
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ class RecordedRuns:
 
 
 def write_repro(runs: RecordedRuns, report_dir: Path, check: str, failure: str,
-                backend_name: str, backend: Backend) -> dict[str, object]:
+                backend_name: str, backend: Backend, replay_it: bool = True
+                ) -> dict[str, object]:
     """Write the failing check's scenario; -> the properties its results row gets ({} when it
-    drove no requests through the adapter)."""
+    drove no requests through the adapter). ``replay_it`` False (the check timed out: a replay
+    could hang as long): reproduction is left unknown (None)."""
     from conformance.repro.replay import NotApplicable, replay
 
     scenario = runs.scenario(check, failure, backend_name)
@@ -59,8 +62,10 @@ def write_repro(runs: RecordedRuns, report_dir: Path, check: str, failure: str,
         return {}
     relative = f"{REPRO_DIR}/{check_file_name(check)}"
     save(scenario, report_dir / relative)
-    try:
-        reproduces = replay(scenario, backend) is not None
-    except NotApplicable:
-        reproduces = False
+    reproduces: bool | None = None
+    if replay_it:
+        try:
+            reproduces = replay(scenario, backend) is not None
+        except NotApplicable:
+            reproduces = False
     return {"specgate_repro": relative, "specgate_repro_reproduces": reproduces}

@@ -31,7 +31,12 @@ from conformance.contract import Backend, Capabilities, OpenConfig, SpecConfig, 
 from conformance.report.certified import config_record
 from conformance.report.progress import tier_of
 from conformance.repro.record import RecordedRuns, write_repro
-from conformance.run.case_timeout import CaseDeadline, default_seconds, native_grace
+from conformance.run.case_timeout import (
+    CaseDeadline,
+    CaseTimeout,
+    default_seconds,
+    native_grace,
+)
 from conformance.run.interrupt_redelivery import keep_interrupts
 from conformance.run.native_watchdog import (
     WORKER_INPUT_KEY,
@@ -223,12 +228,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     if (not report.failed or report.when == "teardown" or where is None
             or not item.get_closest_marker("specgate_tier")):
         return
+    if call.excinfo is not None and call.excinfo.errisinstance(KeyboardInterrupt):
+        return  # the run is stopping: no file, no replay
     ctx = context(item.config)
     crash = getattr(report.longrepr, "reprcrash", None)
     failure = crash.message if crash is not None else str(report.longrepr)[-800:]
+    timed_out = call.excinfo is not None and call.excinfo.errisinstance(CaseTimeout)
     report.user_properties.extend(write_repro(
         ctx.recorded, Path(where), report.nodeid, failure[:2000], ctx.backend_name,
-        ctx.backend).items())
+        ctx.backend, replay_it=not timed_out).items())
 
 
 @pytest.fixture(scope="session")
