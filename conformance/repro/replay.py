@@ -42,6 +42,8 @@ from conformance.run.case_timeout import CaseTimeout
 from conformance.run.driver import Driver, backend_call
 from conformance.run.requests import context_limit
 
+WAIT_STEPS = 10_000  # how long an action may wait for what it needs to finish
+
 
 class NotApplicable(ValueError):
     """The backend does not claim what the scenario needs; one line naming it."""
@@ -128,6 +130,9 @@ class ActionRunner:
     run: int = 0
     index: int = 0  # of the action being applied, in the driver's record (steps merged)
     near_ties: list[str] = field(default_factory=list)
+    # seeded sampled requests finished so far (shared by a scenario's runs): what a claim of
+    # seeded_sampling says must come out again for the same request
+    seeded: dict[tuple[object, ...], tuple[str, list[int]]] = field(default_factory=dict)
     _watched: dict[str, _Watched] = field(default_factory=dict)
     _label: str = ""                 # the action being applied, as the divergence names it
     _before: str | None = None       # the memory view before it
@@ -190,8 +195,27 @@ class ActionRunner:
                         else "the call returns")
             self._diverge(getattr(action, "rid", None), expected, came, err)
 
+    def _busy(self, action: Action) -> bool:
+        """The action needs something still live to finish first: its request id (reused), or
+        its session's current turn (a next turn, a close)."""
+        live = self.driver.live
+        if isinstance(action, Submit) and action.rid in live:
+            return True
+        session = action.session if isinstance(action, (Submit, CloseSession)) else None
+        return session is not None and any(
+            self.driver.turns.get(rid, ("",))[0] == session for rid in live)
+
     def _call(self, action: Action) -> None:
+        """Apply ``action``; one the recorded backend could take at this point but this one
+        cannot yet (it runs the request or turn it waits for more slowly) first steps until it
+        can, as the recording check did by waiting for it."""
         d = self.driver
+        waited = d.steps
+        while self._busy(action):
+            if d.steps - waited > WAIT_STEPS:
+                self._diverge(getattr(action, "rid", None), "what it waits for finishes",
+                              f"still live after {WAIT_STEPS} steps")
+            self._step()
         self._step_no = d.steps
         if isinstance(action, Submit):
             d.submit(action.rid, list(action.prompt_ids), action.params, action.session)
@@ -238,6 +262,8 @@ class ActionRunner:
             self._diverge(rid, f"'length' only after {room} tokens (max_new_tokens "
                           f"{w.params.max_new_tokens}, context limit)",
                           f"finish 'length' after {len(got)} tokens")
+        if final is not None and not w.params.greedy:
+            self._check_seeded(rid, w, list(got))
         if not w.params.greedy or w.tied:
             return
         if w.want is None:
@@ -257,6 +283,24 @@ class ActionRunner:
         what = found.describe() if found is not None else "differs"
         self._diverge(rid, f"the reference's greedy output ({len(want)} tokens)",
                       f"{len(got)} tokens{' at its finish' if ended else ' so far'}: {what}")
+
+    def _check_seeded(self, rid: str, w: _Watched, got: list[int]) -> None:
+        """A seeded sampled request that finished: the same request (prompt, parameters, spec
+        configuration) must have come out the same wherever it ran before, in any batch or
+        engine instance, where the backend claims ``seeded_sampling`` (under speculation only
+        if neither was retracted: the claim covers retraction under plain decoding alone)."""
+        spec = self.driver.config.spec if self.driver.config else None
+        if (w.params.seed is None or not self.driver.caps.seeded_sampling
+                or (spec is not None and self.driver.retracted[rid])):
+            return
+        key = (spec, w.prompt, w.params)
+        earlier = self.seeded.setdefault(key, (f"run {self.run} request {rid!r}", got))
+        if earlier[1] != got:
+            first = next((i for i, (a, b) in enumerate(zip(earlier[1], got, strict=False))
+                          if a != b), min(len(got), len(earlier[1])))
+            self._diverge(rid, f"the {len(earlier[1])} tokens {earlier[0]} gave (same prompt, "
+                          f"parameters and seed {w.params.seed})",
+                          f"{len(got)} tokens, different from output index {first} on")
 
     def _diverge(self, rid: str | None, expected: str, came: str,
                  cause: BaseException | None = None) -> None:
@@ -289,6 +333,7 @@ def replay(scenario: Scenario, backend: Backend, oracle: ReferenceOracle | None 
     caps = backend.capabilities()
     check_applicable(scenario, backend.name, caps)
     oracles = {oracle.model: oracle} if oracle is not None else {}
+    seeded: dict[tuple[object, ...], tuple[str, list[int]]] = {}
     for number, run in enumerate(scenario.runs):
         model = run.config.model
         oracles.setdefault(model, ReferenceOracle(model))
@@ -296,6 +341,7 @@ def replay(scenario: Scenario, backend: Backend, oracle: ReferenceOracle | None 
             runner = ActionRunner.open(backend, caps, run, oracles[model], number)
         except Diverged as err:
             return err.divergence
+        runner.seeded = seeded
         try:
             for index, action in enumerate(run.actions):
                 runner.apply(action, index=index)

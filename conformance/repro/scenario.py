@@ -5,8 +5,10 @@ engine instance it opened (a *run*), the ``OpenConfig`` and the driver's actions
 (submit, step, abort, open/close a session; a session turn is a submit naming its session).
 It holds token ids, not text, so any backend with the same tokenizer replays it. What replay
 checks is fixed by the format (``docs/repro.md``): the driver's invariants after every step,
-every greedy request's tokens against the reference as they stream, finish reasons, and that
-each run ends idle. The file also names the check it came from and how that check failed.
+every greedy request's tokens against the reference as they stream, finish reasons, that each
+run ends idle, and (for a backend claiming ``seeded_sampling``) that a seeded sampled request
+comes out the same every time it runs. The file also names the check it came from and how that
+check failed.
 
 ``load`` refuses an unknown version, an unknown or missing field and a bad value with one line
 (``ReproFileError``) naming where in the file the problem is.
@@ -27,7 +29,8 @@ FORMAT_KEY = "specgate_repro"
 # What replaying a version-1 file checks; every file states it, so a reader need not know the
 # version's rules (``docs/repro.md``).
 CHECKS = ("invariants after every step", "greedy outputs against the reference as they stream",
-          "finish reasons", "every run ends idle")
+          "finish reasons", "every run ends idle",
+          "a seeded sampled request comes out the same every time it runs")
 
 
 class ReproFileError(ValueError):
