@@ -131,3 +131,14 @@ def test_check_file_names_are_safe_and_distinct() -> None:
             == "test_lossless.test_past-plain-ctx512-retract.json")
     long_a, long_b = (check_file_name(f"test_x.py::test_y[{c * 300}]") for c in "ab")
     assert long_a != long_b and len(long_a) <= 125 and "/" not in long_a
+
+
+@pytest.mark.parametrize("spec, needle", [("warp", "unknown spec 'warp'"),
+                                          ("all", "a replay runs under one spec")])
+def test_repro_refuses_a_bad_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                  spec: str, needle: str) -> None:
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_doc()))
+    assert main(["repro", str(good), "--spec", spec]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err

@@ -23,10 +23,12 @@ def with_spec(scenario: Scenario, name: str) -> Scenario:
     from conformance.run.specs import resolve_specs
 
     try:
-        (choice,) = resolve_specs(name)
+        choices = resolve_specs(name)
     except ValueError as err:
-        raise UsageError(f"--spec: {err}") from None
-    spec = choice.configs[0]
+        raise UsageError(str(err)) from None
+    if len(choices) != 1:
+        raise UsageError(f"--spec {name}: a replay runs under one spec; name one")
+    spec = choices[0].configs[0]
     return replace(scenario, runs=tuple(replace(r, config=replace(r.config, spec=spec))
                                         for r in scenario.runs))
 
