@@ -16,6 +16,7 @@ is the shrunk scenario.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from conformance.checks.oracle import ReferenceOracle
 from conformance.contract import Backend, Capabilities, OpenConfig, SamplingParams
 from conformance.repro.record import RecordedRuns
-from conformance.repro.replay import ActionRunner, step_allowance
+from conformance.repro.replay import ActionRunner, Diverged, step_allowance
 from conformance.repro.scenario import Abort, CloseSession, OpenSession, Run, Step, Submit
 from conformance.run.prompts import PromptCase, long_prompt
 from conformance.run.requests import context_limit
@@ -86,7 +87,7 @@ class AdapterMachine(RuleBasedStateMachine):
         self.runner: ActionRunner | None = None
         self.tight = False
         self.count = 0
-        self.sessions: dict[str, str | None] = {}  # open session -> its live turn
+        self.sessions: dict[str, str | None] = {}  # open session -> its latest turn
 
     # ---- set-up ------------------------------------------------------------------------------
 
@@ -114,8 +115,13 @@ class AdapterMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """Run to completion, close the sessions and step once more: the pool must be whole
-        (M4, and M5 once the sessions are closed)."""
+        (M4, and M5 once the sessions are closed). After a divergence only close (quietly):
+        what the example reports is the divergence, not what a broken instance does next."""
         if self.runner is None:
+            return
+        if self.runner.diverged:
+            with contextlib.suppress(Exception):
+                self.runner.close()
             return
         try:
             run = self.runner.driver.recorded()
@@ -124,8 +130,11 @@ class AdapterMachine(RuleBasedStateMachine):
                 self.runner.apply(CloseSession(session))
             if self.sessions:
                 self.runner.apply(Step())
-        finally:
-            self.runner.close()
+        except Diverged:
+            with contextlib.suppress(Exception):
+                self.runner.close()
+            raise
+        self.runner.close()
 
     # ---- what a client does ------------------------------------------------------------------
 

@@ -38,8 +38,7 @@ from conformance.repro.scenario import (
     Submit,
     describe,
 )
-from conformance.run.case_timeout import CaseTimeout
-from conformance.run.driver import Driver, backend_call
+from conformance.run.driver import Driver, backend_call, step_budget
 from conformance.run.requests import context_limit
 
 WAIT_STEPS = 10_000  # how long an action may wait for what it needs to finish
@@ -129,7 +128,6 @@ class ActionRunner:
     epsilon: float
     run: int = 0
     index: int = 0  # of the action being applied, in the driver's record (steps merged)
-    near_ties: list[str] = field(default_factory=list)
     # seeded sampled requests finished so far (shared by a scenario's runs): what a claim of
     # seeded_sampling says must come out again for the same request
     seeded: dict[tuple[object, ...], tuple[str, list[int]]] = field(default_factory=dict)
@@ -137,6 +135,7 @@ class ActionRunner:
     _label: str = ""                 # the action being applied, as the divergence names it
     _before: str | None = None       # the memory view before it
     _step_no: int = 0                # the step it is in (a step) or after (any other action)
+    diverged: bool = False           # a divergence was raised: the instance is past checking
 
     @classmethod
     def open(cls, backend: Backend, caps: Capabilities, run: Run, oracle: ReferenceOracle,
@@ -189,7 +188,7 @@ class ActionRunner:
                 self._call(action)
         except Diverged:
             raise
-        except (Exception, CaseTimeout) as err:
+        except Exception as err:  # a case timeout (a BaseException) fails the check as such
             came = str(err) if isinstance(err, InvariantError) else _raised(err)
             expected = ("the suite's invariants hold" if isinstance(err, InvariantError)
                         else "the call returns")
@@ -278,7 +277,6 @@ class ActionRunner:
         found = self.oracle.divergence(w.prompt, w.params, list(got), self.epsilon)
         if found is not None and found.near_tie:
             w.tied = True
-            self.near_ties.append(f"{rid}@{found.index} margin={found.margin:.3g}")
             return
         what = found.describe() if found is not None else "differs"
         self._diverge(rid, f"the reference's greedy output ({len(want)} tokens)",
@@ -304,6 +302,7 @@ class ActionRunner:
 
     def _diverge(self, rid: str | None, expected: str, came: str,
                  cause: BaseException | None = None) -> None:
+        self.diverged = True
         raise Diverged(Divergence(self.run, self.index, self._label, self._step_no, rid,
                                   expected, came, self._before, self._memory())) from cause
 
@@ -314,9 +313,9 @@ def _raised(err: BaseException) -> str:
 
 
 def step_allowance(run: Run) -> int:
-    """A generous bound on the steps a run's drain may take."""
-    return 64 + 2 * sum(len(a.prompt_ids) + a.params.max_new_tokens
-                        for a in run.actions if isinstance(a, Submit))
+    """A generous bound on the steps a run's drain may take (the driver's own budget)."""
+    return step_budget([(list(a.prompt_ids), a.params) for a in run.actions
+                        if isinstance(a, Submit)])
 
 
 def check_applicable(scenario: Scenario, backend_name: str, caps: Capabilities) -> None:
