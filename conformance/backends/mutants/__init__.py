@@ -78,6 +78,9 @@ class Mutant:
     # The graph executor the mutant's engine always opens with (its bug lives in the graph
     # runner, which a run without --graphs would never reach); None: as the suite asks.
     graphs: Literal["replay", "compiled", "frozen"] | None = None
+    # The suite check meant to kill it: a node id relative to the suite directory, run alone
+    # against the mutant by the zoo tests (tests/test_zoo_killers.py).
+    killed_by: str | None = None
 
     @property
     def bug_class(self) -> str:

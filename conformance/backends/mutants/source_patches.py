@@ -48,6 +48,7 @@ class SourceMutant:
     bug_class: str
     edits: tuple[SourceEdit, ...]
     spec: str = "none"  # the --spec under which the bug is visible (and which runs it)
+    killed_by: str | None = None  # the suite check meant to kill it (as ``Mutant.killed_by``)
 
 
 SOURCE_MUTANTS: dict[str, SourceMutant] = {m.name: m for m in [
