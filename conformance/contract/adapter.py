@@ -37,6 +37,9 @@ class Capabilities:
     graph_runner: bool = False
     # Extensions beyond the core adapter (docs/decisions.md):
     forced_retract: bool = False     # honours OpenConfig.retract_every (a test hook)
+    chunked_prefill: bool = False    # honours OpenConfig.max_prefill_tokens: a longer prompt is
+                                     # prefilled over several steps, streaming nothing before
+                                     # its last chunk
     kernels: bool = False            # exposes kernel_impls() for the kernel tier
     in_flight: bool = False          # handle.in_flight(): requests with a launched, unresolved
                                      # step (overlap scheduling), so the suite can act on them

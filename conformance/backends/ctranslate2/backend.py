@@ -62,6 +62,7 @@ UNCLAIMED_REASONS = {
                    "to inspect",
     "forced_retract": "CTranslate2 cannot take a running request's KV away and resume it later",
     "sessions": "the Generator keeps no KV between generate_batch calls",
+    "chunked_prefill": "generate_batch prefills each prompt whole, inside the call",
     "graph_runner": "CTranslate2 exposes no graph runner (static-buffer replay) to probe",
 }
 

@@ -71,6 +71,7 @@ class RefEngineBackend:
                             sampling=True, seeded_sampling=True,
                             stepwise=True, abort=True, memory_view=True, acceptance_stats=True,
                             reference_draft=True, worker_hooks=True, forced_retract=True,
+                            chunked_prefill=True,
                             kernels=True, overlap=True, sessions=True, in_flight=True,
                             graph_runner=True)
 
