@@ -8,7 +8,10 @@ Each callable has exactly the signature of its torch reference in
 ``refengine.kernels.tree_reference`` and returns a result with the same fields (``Tree``:
 tokens, positions, mask, retrieve_*; ``GreedyVerifyResult``), so the tier can compare every
 field against the reference. ``None`` for a kernel means "this backend has no such kernel"
-(also reported as not claimed).
+(also reported as not claimed). A backend whose kernels exist but cannot run in this process
+(Triton without a GPU or its interpreter) says so in ``unavailable``: the tier reports its
+checks not applicable with that reason. Handing out the torch references instead would make
+the tier compare the references with themselves, a pass that checks nothing.
 """
 
 from __future__ import annotations
@@ -32,3 +35,4 @@ class KernelImpls:
     name: str
     build_tree: BuildTree | None
     verify_greedy: VerifyGreedy | None
+    unavailable: str | None = None  # why the kernels cannot run here (None: they can)

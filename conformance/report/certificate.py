@@ -37,6 +37,7 @@ from conformance.report.acceptance_chart import (
 from conformance.report.certified import ConfigRun, config_runs, near_ties
 from conformance.report.failures import failure_lines, known_lines
 from conformance.report.figures import figures_lines
+from conformance.report.verdict import backend_rows, is_self_check
 from conformance.run.known_failures import KNOWN_FAILURE
 
 OUTCOMES = ("passed", "failed", KNOWN_FAILURE, "not claimed", "skipped")
@@ -79,6 +80,10 @@ class Certificate:
     selection: str | None = None  # --only / -k as the run was given them (None: every check)
     known_failures: dict[str, object] | None = None  # KnownReport, with --known-failures
     plot_skipped: str | None = None  # why acceptance.png was not drawn though there were panels
+    # The suite checking itself (conformance.report.verdict): check, outcome, message; not in
+    # the tiers' counts
+    self_checks: list[dict[str, str]] = field(default_factory=list)
+    threads: list[int] = field(default_factory=list)  # torch threads the checks ran with
 
     def __post_init__(self) -> None:
         if self.plot_skipped is None and self.acceptance_panels:
@@ -114,9 +119,12 @@ def _status(counts: Counter[str]) -> str:
     return "skipped"
 
 
-def _environment() -> dict[str, str]:
+def _environment(threads: list[int]) -> dict[str, str]:
+    """Where the checks ran; ``threads``: the torch intra-op thread counts they ran with (in
+    the processes that ran them, which under ``-n`` are not this one)."""
     return {"python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform(), "threads": str(torch.get_num_threads())}
+            "platform": platform.platform(),
+            "threads per check": ", ".join(map(str, threads)) or "unknown"}
 
 
 def _not_run(rows: list[dict[str, object]]) -> dict[str, int]:
@@ -130,7 +138,10 @@ def _not_run(rows: list[dict[str, object]]) -> dict[str, int]:
 
 
 def build_certificate(results: dict[str, object]) -> Certificate:
-    checks: list[dict[str, object]] = list(results["checks"])  # type: ignore[arg-type]
+    rows: list[dict[str, object]] = list(results["checks"])  # type: ignore[arg-type]
+    checks = backend_rows(rows)
+    self_checks = [{"check": str(r["nodeid"]), "outcome": str(r["outcome"]),
+                    "message": str(r["message"])} for r in rows if is_self_check(r)]
     tiers: dict[str, list[dict[str, object]]] = {}
     for check in checks:
         tiers.setdefault(str(check["tier"]), []).append(check)
@@ -156,7 +167,8 @@ def build_certificate(results: dict[str, object]) -> Certificate:
     if not vacuous and checks and known and not any(c["outcome"] == "passed" for c in checks):
         vacuous = "no check passed (every failure is a known failure)"
     failed = any(s.status == "failed" for s in summaries) or bool(vacuous) or bool(
-        known and known["strict"] and known["stale"])  # type: ignore[index]
+        known and known["strict"] and known["stale"]) or any(  # type: ignore[index]
+        c["outcome"] == "failed" for c in self_checks)
     interrupted = bool(results.get("interrupted"))
     return Certificate(
         backend=dict(results["backend"]),  # type: ignore[arg-type]
@@ -165,9 +177,9 @@ def build_certificate(results: dict[str, object]) -> Certificate:
         status=("incomplete" if interrupted else
                 "failed" if failed or not summaries else "passed"),
         vacuous=vacuous or (None if summaries or interrupted else "zero checks collected"),
-        environment=_environment(),
+        environment=_environment(list(results.get("threads", []))),  # type: ignore[call-overload]
         created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ"),
-        checks=checks, matrix=matrix, interrupted=interrupted,
+        checks=rows, matrix=matrix, interrupted=interrupted,
         unclaimed_reasons=dict(results.get("unclaimed_reasons", {})),  # type: ignore[call-overload]
         graphs=results.get("graphs"),  # type: ignore[arg-type]
         precision=str(results.get("precision", "float32")),
@@ -178,7 +190,8 @@ def build_certificate(results: dict[str, object]) -> Certificate:
         specgate_version=str(results.get("specgate_version", "")),
         shard=results.get("shard"),  # type: ignore[arg-type]
         selection=results.get("selection"),  # type: ignore[arg-type]
-        known_failures=known)  # type: ignore[arg-type]
+        known_failures=known,  # type: ignore[arg-type]
+        self_checks=self_checks, threads=list(results.get("threads", [])))  # type: ignore[call-overload]
 
 
 def headline(cert: Certificate) -> str:
@@ -295,6 +308,19 @@ def acceptance_lines(cert: Certificate) -> list[str]:
     return out
 
 
+def self_check_lines(self_checks: list[dict[str, str]]) -> list[str]:
+    if not self_checks:
+        return []
+    out = ["## Suite self-checks", "",
+           "These checks test the suite itself (the power of its statistical tests, the "
+           "derivations they rest on) and exercise no part of the backend: they are not counted "
+           "in the tiers above. A failed one means the suite cannot vouch for the checks that "
+           "depend on it, so the run fails.", "", "| check | outcome | message |", "|---|---|---|"]
+    out += [f"| `{c['check']}` | {c['outcome']} | {c['message'][:200] or '—'} |"
+            for c in self_checks]
+    return [*out, ""]
+
+
 def render_markdown(cert: Certificate, where: Path = Path(".")) -> str:
     """report.md; ``where``: the certificate directory as the user named it (replay commands
     name their repro files under it)."""
@@ -330,6 +356,7 @@ def render_markdown(cert: Certificate, where: Path = Path(".")) -> str:
                 "|---|---|---|"]
         out += [f"| {tier} | {n} | {why} |" for tier, why, n in not_run]
         out.append("")
+    out += self_check_lines(cert.self_checks)
     out += failure_lines(cert.failures, str(b["resolved_from"]), where)
     out += known_lines(cert.known_failures)
     out += acceptance_lines(cert)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,13 @@ def print_certificate(cert: Certificate, where: Path) -> None:
     for t in cert.tiers:
         for why, n in t.not_run.items():
             out.print(f"  {t.tier}: {n} check(s) {why}", markup=False)
+    if cert.self_checks:
+        outcomes = Counter(c["outcome"] for c in cert.self_checks)
+        out.print("  suite self-checks (not the backend's; not counted above): "
+                  + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())), markup=False)
+        for c in cert.self_checks:
+            if c["outcome"] == "failed":
+                out.print(f"    FAILED {c['check']}: {c['message']}", markup=False)
     for line in console_lines(cert.failures, str(cert.backend["resolved_from"]),
                               cert.known_failures, where):
         out.print(line, markup=False)

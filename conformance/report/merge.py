@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conformance.report.cert_dirs import CertDir, SpecFiles, read_cert_dir
+from conformance.report.verdict import vacuous_reason
 from conformance.run.specs import SPECS
 from conformance.run.usage import UsageError
 
@@ -115,14 +116,8 @@ def merged_results(group: Shards) -> dict[str, object]:
     first = reports[0]
     checks = [c for r in reports for c in r["checks"]]  # type: ignore[attr-defined]
     interrupted = any(r.get("interrupted") for r in reports)
-    outcomes = {c["outcome"] for c in checks}
-    vacuous = None
-    if interrupted:
-        pass  # an incomplete certificate says so instead
-    elif not checks:
-        vacuous = "zero checks collected"
-    elif not outcomes - {"skipped", "not claimed"}:
-        vacuous = f"all {len(checks)} checks were skipped or not claimed"
+    # an incomplete certificate says so instead of being vacuous
+    vacuous = None if interrupted else vacuous_reason(checks)
     count = len(reports)
     return {
         "backend": first["backend"], "capabilities": first["capabilities"],
@@ -131,6 +126,7 @@ def merged_results(group: Shards) -> dict[str, object]:
         "configurations": [{"id": c["id"], **c["parameters"]}
                            for c in first.get("configurations", [])],  # type: ignore[attr-defined]
         "precision": first.get("precision", "float32"), "case_timeout": first.get("case_timeout"),
+        "threads": sorted({t for r in reports for t in r.get("threads", [])}),  # type: ignore[attr-defined]
         "specgate_version": first.get("specgate_version"), "selection": first.get("selection"),
         "shard": f"merged from {count} shard{'s' * (count != 1)}" if first.get("shard") else None,
         "vacuous": vacuous, "interrupted": interrupted, "checks": checks,

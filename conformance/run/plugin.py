@@ -30,6 +30,7 @@ from conformance.checks.oracle import ReferenceOracle
 from conformance.contract import Backend, Capabilities, OpenConfig, SpecConfig, unclaimed_reasons
 from conformance.report.certified import config_record
 from conformance.report.progress import tier_of
+from conformance.report.verdict import SELF_CHECK_MARK, vacuous_reason
 from conformance.repro.record import RecordedRuns, write_repro
 from conformance.run.case_timeout import (
     CaseDeadline,
@@ -138,6 +139,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "specgate_requires(*capabilities): capabilities the "
                             "backend must claim (flags, or 'algorithm:<name>')")
     config.addinivalue_line("markers", "slow: long-running check")
+    config.addinivalue_line("markers", f"{SELF_CHECK_MARK}: a check of the suite itself (its "
+                            "power, its derivations) that exercises no part of the backend: "
+                            "reported apart, never counted as the backend's pass")
     seconds = case_timeout(config)
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:  # xdist workers forward their reports instead
@@ -218,6 +222,16 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
+    """Each suite check's row says how many intra-op threads torch ran it with (set by the
+    ``sg`` fixture, in whichever process ran it): the certificate reports those, not the
+    controller's."""
+    if item.get_closest_marker("specgate_tier"):
+        item.user_properties.append(("specgate_threads", torch.get_num_threads()))
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
     """A suite check that failed leaves its scenario (``conformance.repro.record``); the
     report's properties say where, so the row in the results (on the xdist controller too)
@@ -260,6 +274,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         missing = [n for n in needs if not ctx.caps.claims(n)]
         item.user_properties.append(("specgate_tier", tier))
         item.user_properties.append(("specgate_requires", ",".join(needs)))
+        if item.get_closest_marker(SELF_CHECK_MARK):
+            item.user_properties.append(("specgate_self_check", True))
         if missing:
             item.add_marker(pytest.mark.skip(reason=f"{NOT_CLAIMED}: {', '.join(missing)}"))
     # The fuzz tier is one long check. In-process it goes last: it shrinks what it finds, the
@@ -336,6 +352,10 @@ class ResultCollector:
             "requires": props.get("specgate_requires", ""), "outcome": outcome,
             "duration": round(report.duration, 3), "message": message,
             "figures": {k: v for k, v in props.items() if not k.startswith("specgate_")}}
+        if props.get("specgate_self_check"):
+            self.rows[report.nodeid]["self_check"] = True
+        if "specgate_threads" in props:
+            self.rows[report.nodeid]["threads"] = props["specgate_threads"]
         if "specgate_repro" in props:
             self.rows[report.nodeid]["repro"] = props["specgate_repro"]
             self.rows[report.nodeid]["repro_reproduces"] = props["specgate_repro_reproduces"]
@@ -368,14 +388,10 @@ class ResultCollector:
             shutil.rmtree(self.watchdog_dir, ignore_errors=True)
         results_path = self.config.getoption("--specgate-results")
         rows = list(self.rows.values())
-        vacuous = None
-        outcomes = {r["outcome"] for r in rows}
-        if self.interrupted:
-            pass  # an incomplete run is reported as such, not as vacuous
-        elif rows and not outcomes & {"passed", "failed"}:
-            vacuous = f"all {len(rows)} checks were skipped or not claimed"
-        elif not rows and results_path:
-            vacuous = "zero checks collected"
+        # an incomplete run is reported as such, not as vacuous; a plain pytest run that
+        # collected no suite check (no results asked for) is no certification run at all
+        vacuous = (None if self.interrupted or (not rows and not results_path)
+                   else vacuous_reason(rows))
         if vacuous:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
             reporter = self.config.pluginmanager.get_plugin("terminalreporter")
@@ -392,6 +408,7 @@ class ResultCollector:
                 # Capabilities.precision, where the backend's adapter has it
                 "precision": str(getattr(ctx.caps, "precision", "float32")),
                 "case_timeout": case_timeout(self.config),
+                "threads": sorted({int(r["threads"]) for r in rows if "threads" in r}),
                 "profile": ctx.profile.name, "graphs": ctx.graph_executor, "vacuous": vacuous,
                 "interrupted": self.interrupted, "checks": rows,
             }, indent=1))

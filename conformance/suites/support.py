@@ -15,6 +15,7 @@ from conformance.run.plugin import SuiteContext, context
 from conformance.run.requests import context_limit, requests_across
 from conformance.run.requests import greedy as greedy  # the tiers' spelling: support.greedy
 from conformance.run.specs import config_id
+from refengine.data import fixture_names
 
 # Page size 4 only where there are pages to size: backends that claim a paged pool
 # (memory_view); any other backend runs the page-size-1 case once.
@@ -50,6 +51,17 @@ def assert_length_limited(sg: SuiteContext, outcomes: dict[str, Outcome],
         assert (got.reason, len(got.output_ids)) == ("length", room), (
             f"{rid} ({len(prompt)}-token prompt, context limit {limit}): ended by "
             f"{got.reason!r} after {len(got.output_ids)} tokens, expected 'length' after {room}")
+
+
+def model_property(sg: SuiteContext, holds: bool, what: str) -> None:
+    """A check's precondition that is a property of the model and its prompt set, not of the
+    backend (e.g. "the prompt's greedy output has four distinct early tokens"). On a bundled
+    fixture it must hold: the check was designed on it, and a silently shrunk check would be a
+    pass that proves less. Under another model (``--model DIR``) the check does not apply."""
+    if holds:
+        return
+    assert sg.model not in fixture_names(), f"precondition on the bundled model {sg.model}: {what}"
+    pytest.skip(f"not applicable with model {sg.model}: {what}")
 
 
 def parametrize_spec_configs(metafunc: pytest.Metafunc) -> None:

@@ -56,7 +56,9 @@ Design:
   temperature dropped): an exact verifier against the wrong distribution emits that
   distribution whatever the drafts, so their laws come from the oracle alone; the tier's
   power against each is reported per setting, and the best setting's power (a lower bound on
-  the design's) must reach ``MIN_POWER``.
+  the design's) must reach ``MIN_POWER``. Both kinds of control test the suite, not the
+  backend (one runs a mutant, the other the oracle alone): they are marked as self-checks and
+  the certificate reports them apart from the backend's passes.
 
 Everything is seeded, so the outcome is reproducible run to run.
 """
@@ -319,6 +321,7 @@ def control_spec(sg: SuiteContext, request: pytest.FixtureRequest) -> SpecConfig
     return chain
 
 
+@pytest.mark.specgate_self_check
 def test_negative_control_is_rejected(sg: SuiteContext, law_of: LawOf, setting: Setting,
                                       record_property: RecordProperty,
                                       request: pytest.FixtureRequest) -> None:
@@ -383,6 +386,7 @@ def verify_param_bug_powers(sg: SuiteContext, law_of: LawOf, bug: str
     return powers
 
 
+@pytest.mark.specgate_self_check
 @pytest.mark.parametrize("bug", sorted(VERIFY_PARAM_BUGS))
 def test_verify_param_bugs_have_power(sg: SuiteContext, law_of: LawOf, bug: str,
                                       record_property: RecordProperty) -> None:

@@ -8,7 +8,9 @@ with path scores that never rise along a path (ties included), selections by
 accepted paths of every length, first-match among siblings and the depth cut all occur.
 
 Example counts are small on purpose: on CPU these kernels run under Triton's interpreter, which
-costs tens of milliseconds per launch; shapes are biased to the largest trees instead.
+costs tens of milliseconds per launch; shapes are biased to the largest trees instead. A backend
+whose kernels cannot run in this process (``KernelImpls.unavailable``) gets every check reported
+not applicable, with its reason.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def _impls(sg: SuiteContext, record_property: Callable[[str, object], None]) -> 
     assert hook is not None, "the backend claims `kernels` but has no kernel_impls()"
     impls = hook()
     record_property("kernels", impls.name)  # which implementation was certified, in the results
+    if impls.unavailable:
+        pytest.skip(f"not applicable: the backend's {impls.name} kernels cannot run here: "
+                    f"{impls.unavailable}")
     return impls
 
 

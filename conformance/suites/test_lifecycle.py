@@ -11,7 +11,13 @@ import pytest
 
 from conformance.run.driver import Driver, Outcome
 from conformance.run.plugin import SuiteContext
-from conformance.suites.support import assert_matches_oracle, greedy, open_driver, run_all
+from conformance.suites.support import (
+    assert_matches_oracle,
+    greedy,
+    model_property,
+    open_driver,
+    run_all,
+)
 
 pytestmark = pytest.mark.specgate_tier("lifecycle")
 
@@ -88,7 +94,9 @@ def test_stop_token_at_every_offset(sg: SuiteContext) -> None:
     for i, token in enumerate(want):
         if 0 < i <= 16 and token not in want[:i]:  # first occurrence: the stop lands at i
             requests[f"stop-at-{i}"] = (prompt, greedy(24, stop_token_ids=(token,)))
-    assert len(requests) >= 4, "prompt gives too few distinct early tokens to test stops"
+    model_property(sg, len(requests) >= 4,
+                   "the first prompt's greedy output gives too few distinct early tokens to "
+                   "place stops at")
     with open_driver(sg) as driver:
         outcomes = run_all(driver, requests)
     for rid in requests:
@@ -115,7 +123,8 @@ def test_stop_string_at_every_offset(sg: SuiteContext) -> None:
             continue  # it would complete earlier
         requests[f"stop-at-{i}"] = (prompt, greedy(24, stop=(stop,)))
         expected[f"stop-at-{i}"] = (want[:i + 1], text[:text.find(stop)])
-    assert len(requests) >= 4, "the prompt gives too few offsets to place stop strings"
+    model_property(sg, len(requests) >= 4,
+                   "the first prompt's greedy output gives too few offsets to place stop strings")
     with open_driver(sg) as driver:
         outcomes = run_all(driver, requests)
     for rid, (ids, text) in expected.items():
@@ -160,15 +169,19 @@ def test_abort(sg: SuiteContext, phase: str) -> None:
     limits = {"queued": {"max_running_requests": 1}, "prefilling": {"max_prefill_tokens": 8},
               "decoding": {}}[phase]
     with open_driver(sg, **limits) as driver:
-        # Queued: the bystander holds the only running slot. Prefilling: the victim goes first
-        # and its long prompt is cut into 8-token chunks, so one step leaves it mid-prompt.
+        # Queued: once the bystander decodes it holds the only running slot (a limit every
+        # backend must honour) and the victim waits. Prefilling: the victim goes first and its
+        # long prompt is cut into 8-token chunks, so one step leaves it mid-prompt.
         order = ["victim", "bystander"] if phase == "prefilling" else ["bystander", "victim"]
         for rid in order:
             if rid == "victim":
                 driver.submit("victim", victim, greedy(24))
             else:
                 driver.submit(rid, *bystander[rid])
-        if phase == "prefilling":
+        if phase == "queued":
+            driver.step_until(lambda: bool(driver.streamed["bystander"]), 1000,
+                              lambda: "the bystander streamed no token")
+        elif phase == "prefilling":
             driver.step()
         elif phase == "decoding":
             driver.step_until(lambda: bool(driver.streamed["victim"]), 1000,
@@ -264,7 +277,8 @@ def test_finish_while_step_in_flight(sg: SuiteContext) -> None:
         at = next((j for j in range(3 + i, len(want)) if want[j] not in want[:j]), None)
         if at is not None:  # the stop lands exactly at output index ``at``
             requests[c.id] = (list(c.ids), greedy(24, stop_token_ids=(want[at],)))
-    assert len(requests) >= 2, "the prompt set gives too few distinct tokens to place stops"
+    model_property(sg, len(requests) >= 2,
+                   "the prompt set's greedy outputs give too few distinct tokens to place stops")
     finished_in_flight: set[str] = set()
     with open_driver(sg) as driver:
         in_flight = _in_flight(sg, driver)

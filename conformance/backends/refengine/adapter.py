@@ -76,8 +76,8 @@ class RefEngineBackend:
                             graph_runner=True)
 
     def kernel_impls(self) -> KernelImpls:
-        """Tree kernels for the kernel tier: Triton where it can run (a GPU, or
-        TRITON_INTERPRET=1), else the torch references the engine itself uses on CPU."""
+        """Tree kernels for the kernel tier: Triton, marked unavailable where it cannot run
+        (without a GPU or TRITON_INTERPRET=1, where the engine uses the torch references)."""
         return default_kernels_for_refengine()
 
     def open(self, cfg: OpenConfig) -> RefEngineHandle:

@@ -1,23 +1,17 @@
 """The reference engine's tree kernels for the kernel tier (``KernelImpls``,
-``conformance/checks/tree_cases.py``): Triton where it can run, else the torch references."""
+``conformance/checks/tree_cases.py``): the Triton kernels, or why they cannot run here."""
 
 from __future__ import annotations
 
 from conformance.contract import KernelImpls
-from refengine.kernels.tree_reference import build_tree_reference, verify_tree_greedy_reference
 from refengine.kernels.tree_triton import (
+    NOT_RUNNABLE,
     build_tree_triton,
     triton_runnable,
     verify_tree_greedy_triton,
 )
 
-__all__ = ["default_kernels_for_refengine", "reference_kernels", "triton_kernels",
-           "triton_runnable"]
-
-
-def reference_kernels() -> KernelImpls:
-    """The torch references themselves (what the reference engine runs on CPU)."""
-    return KernelImpls("torch-reference", build_tree_reference, verify_tree_greedy_reference)
+__all__ = ["default_kernels_for_refengine", "triton_kernels", "triton_runnable"]
 
 
 def triton_kernels() -> KernelImpls:
@@ -28,7 +22,11 @@ def triton_kernels() -> KernelImpls:
 
 
 def default_kernels_for_refengine() -> KernelImpls:
-    """What the reference engine's backend exposes: Triton when it can run here, else the
-    torch references (which then certify trivially against themselves — the point of the tier
-    on CPU without the interpreter is only that the hook works)."""
-    return triton_kernels() if triton_runnable() else reference_kernels()
+    """What the reference engine's backend exposes: the Triton kernels, marked unavailable
+    where they cannot run (the engine itself then uses the torch references, which are what
+    the tier compares against, so there is nothing to certify)."""
+    if triton_runnable():
+        return triton_kernels()
+    return KernelImpls("triton", build_tree_triton, verify_tree_greedy_triton,
+                       unavailable=f"{NOT_RUNNABLE} (or Triton is not installed); the engine "
+                                   "runs the torch references this tier compares against")
