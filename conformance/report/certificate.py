@@ -138,10 +138,10 @@ def _not_run(rows: list[dict[str, object]]) -> dict[str, int]:
 
 
 def build_certificate(results: dict[str, object]) -> Certificate:
-    rows: list[dict[str, object]] = list(results["checks"])  # type: ignore[arg-type]
-    checks = backend_rows(rows)
+    every_row: list[dict[str, object]] = list(results["checks"])  # type: ignore[arg-type]
+    checks = backend_rows(every_row)
     self_checks = [{"check": str(r["nodeid"]), "outcome": str(r["outcome"]),
-                    "message": str(r["message"])} for r in rows if is_self_check(r)]
+                    "message": str(r["message"])} for r in every_row if is_self_check(r)]
     tiers: dict[str, list[dict[str, object]]] = {}
     for check in checks:
         tiers.setdefault(str(check["tier"]), []).append(check)
@@ -179,7 +179,7 @@ def build_certificate(results: dict[str, object]) -> Certificate:
         vacuous=vacuous or (None if summaries or interrupted else "zero checks collected"),
         environment=_environment(list(results.get("threads", []))),  # type: ignore[call-overload]
         created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ"),
-        checks=rows, matrix=matrix, interrupted=interrupted,
+        checks=every_row, matrix=matrix, interrupted=interrupted,
         unclaimed_reasons=dict(results.get("unclaimed_reasons", {})),  # type: ignore[call-overload]
         graphs=results.get("graphs"),  # type: ignore[arg-type]
         precision=str(results.get("precision", "float32")),
