@@ -64,7 +64,9 @@ def cmd_mutants(args: argparse.Namespace) -> int:
                       else "error: the suite did not run")
             row = {"mutant": name, "spec": spec, "bug_class": zoo[name].bug_class,
                    "status": status, "killed_by": _killer(killers[0]) if killers else None,
-                   "message": killers[0]["message"] if killers else None}
+                   "message": killers[0]["message"] if killers else None,
+                   # the check meant to kill it (tests/test_zoo_killers.py runs that one alone)
+                   "meant_for": zoo[name].killed_by}
             rows.append(row)
             steps.done(status + (f" by {row['killed_by']}" if killers else ""))
             if not checks:
@@ -74,7 +76,8 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
     else:
         print_table(f"specgate mutants: {len(rows) - len(survived)} of {len(rows)} killed",
-                     ["mutant", "spec", "bug class", "status", "killed by"],
+                     ["mutant", "spec", "bug class", "status", "killed first by",
+                      "meant for"],
                      [[r["mutant"], r["spec"], r["bug_class"], r["status"],
-                       r["killed_by"] or "—"] for r in rows])
+                       r["killed_by"] or "—", r["meant_for"] or "—"] for r in rows])
     return 1 if survived else 0

@@ -58,7 +58,8 @@ SOURCE_MUTANTS: dict[str, SourceMutant] = {m.name: m for m in [
         "sampler plain decoding and the oracle's engine share: near the top, logits round "
         "together and the lowest token id wins.",
         (SourceEdit("sampler.py", "tokens = torch.argmax(logits, dim=-1).tolist()",
-                    "tokens = torch.argmax(logits.to(torch.bfloat16), dim=-1).tolist()"),)),
+                    "tokens = torch.argmax(logits.to(torch.bfloat16), dim=-1).tolist()"),),
+        killed_by="test_lossless.py::test_greedy_matches_reference[plain-batch-1]"),
     # One per bug class the class mutants plant as subclasses, here in the shared code itself:
     SourceMutant(
         "sampler_ignores_top_p",
@@ -67,14 +68,16 @@ SOURCE_MUTANTS: dict[str, SourceMutant] = {m.name: m for m in [
         "distribution tier would find no prompt with a small enough support and skip.",
         (SourceEdit("sampler.py", "    if params.top_p < 1.0:",
                     "    if params.top_p < 0.0:  # BUG: top-p never applied"),),
-        spec="eagle"),
+        spec="eagle",
+        killed_by="test_distribution.py::test_sampled_tokens_follow_target_distribution[top-p]"),
     SourceMutant(
         "sampler_ignores_seed",
         "Every sampled draw is seeded as if the request's seed were 0 (reproducibility): draws "
         "stay correctly distributed per request, but distinct seeds give one stream.",
         (SourceEdit("sampler.py", "generator=draw_generator(seed, index)",
                     "generator=draw_generator(0, index)"),),
-        spec="eagle"),
+        spec="eagle",
+        killed_by="test_distribution.py::test_sampled_tokens_follow_target_distribution[top-p]"),
     SourceMutant(
         "stop_string_one_token_late",
         "Stop strings are looked for in the text before the newest token (stop strings), in "
@@ -82,7 +85,8 @@ SOURCE_MUTANTS: dict[str, SourceMutant] = {m.name: m for m in [
         "after the token that completed it.",
         (SourceEdit("stopping.py", "stop_string_cut(decode(output_ids), params.stop)",
                     "stop_string_cut(decode(output_ids[:-1]), params.stop)"),),
-        spec="eagle"),
+        spec="eagle",
+        killed_by="test_lifecycle.py::test_stop_string_at_every_offset"),
     SourceMutant(
         "draft_steps_one_position_late",
         "The EAGLE draft loop places step-i nodes at s + i instead of s + i - 1 (acceptance "
@@ -90,7 +94,8 @@ SOURCE_MUTANTS: dict[str, SourceMutant] = {m.name: m for m in [
         "drops, which only the golden traces see.",
         (SourceEdit("speculative/eagle.py", "positions = (seq[:, None] + (i - 1))",
                     "positions = (seq[:, None] + i)"),),
-        spec="eagle"),
+        spec="eagle",
+        killed_by="test_golden.py::test_acceptance_matches_golden[chain-s3-n4]"),
 ]}
 
 
