@@ -271,7 +271,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in suite_items:
         tier = item.get_closest_marker("specgate_tier").args[0]
         needs = _requirements(item, ctx.spec)
-        missing = [n for n in needs if not ctx.caps.claims(n)]
+        missing = list(dict.fromkeys(n for n in needs if not ctx.caps.claims(n)))
         item.user_properties.append(("specgate_tier", tier))
         item.user_properties.append(("specgate_requires", ",".join(needs)))
         if item.get_closest_marker(SELF_CHECK_MARK):
