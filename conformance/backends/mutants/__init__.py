@@ -51,6 +51,7 @@ from conformance.backends.mutants.sampling import (
     VerifyIgnoresTopP,
     VerifyTemperatureMisapplied,
 )
+from conformance.backends.mutants.sessions import StopRunNotCompacted, StopTurnEndsWithEOS
 from conformance.backends.mutants.speculative import (
     AllFinishLeavesVerifyInput,
     DraftCatchUpSkipped,
@@ -119,6 +120,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("draft_catch_up_skipped", DraftCatchUpSkipped, spec="draft-model"),
     Mutant("verify_ignores_top_p", VerifyIgnoresTopP, spec="eagle"),
     Mutant("verify_temperature_misapplied", VerifyTemperatureMisapplied, spec="eagle"),
+    Mutant("stop_turn_ends_with_eos", StopTurnEndsWithEOS,
+           killed_by="test_sessions.py::test_turns_ending_by_stop"),
+    Mutant("stop_run_not_compacted", StopRunNotCompacted, spec="eagle-tree",
+           killed_by="test_sessions.py::test_turns_ending_by_stop"),
 ]}
 
 
