@@ -230,7 +230,10 @@ def _eos_case(sg: SuiteContext) -> list[int] | None:
 
 
 def _plan(sg: SuiteContext, endings: dict[str, tuple[Ending, ...]]) -> dict[str, list[Planned]]:
-    """Each session's turns, one per ending, planned in order over the reference's outputs."""
+    """Each session's turns, one per ending, planned in order over the reference's outputs. A
+    first turn is one of the set's shortest whole prompts (their greedy continuations are in
+    the committed outputs), a later one brings a cut prompt; where a prompt's continuation
+    leaves no place for the turn's stop, the next prompt is tried."""
     cut = [list(c.ids)[:FOLLOW_TOKENS] for c in sg.prompts]
     whole = sorted((list(c.ids) for c in sg.prompts), key=len)
     script: dict[str, list[Planned]] = {}
@@ -238,31 +241,41 @@ def _plan(sg: SuiteContext, endings: dict[str, tuple[Ending, ...]]) -> dict[str,
         context: list[int] = []
         script[session] = []
         for t, ending in enumerate(kinds):
-            # A first turn is one of the set's shortest whole prompts (whose greedy
-            # continuation the committed outputs hold), later ones bring cut prompts.
-            prompt = whole[j % len(whole)] if t == 0 else cut[(j + 3 * t) % len(cut)]
-            plain = params = greedy(LENGTH_TOKENS)
             if ending == "eos":
                 assert t == 0, "the EOS case is a prompt of its own: a session's first turn"
-                prompt = _required(sg, _eos_case(sg), f"prompt it continues to EOS within "
-                                   f"{EOS_WITHIN} tokens (searched: the prompt set, its lines)")
-                plain = params = greedy(EOS_WITHIN, ignore_eos=False)
-            elif ending in STOPS:
-                plain = greedy(ENDING_TOKENS)
-            full = context + prompt
-            want = sg.oracle.greedy(tuple(full), plain)
-            if ending in STOPS:
-                params = _required(sg, _stop_params(sg, ending, want, STOP_FROM + j),
-                                   f"place for a {ending} in {session}'s turn {t}")
-            n, reason = _finish(sg, want, params)
-            text = None
-            if params.stop:
-                text = sg.oracle.decode(want[:n])
-                text = text[:min(i for i in (text.find(s) for s in params.stop) if i >= 0)]
-            script[session].append(Planned(session, t, prompt, params, plain, full,
-                                           want[:n], reason, text))
-            context = full + want[:n]
+                candidates = [_required(sg, _eos_case(sg), f"prompt it continues to EOS within "
+                                        f"{EOS_WITHIN} tokens (searched: the prompt set, its "
+                                        f"lines)")]
+            else:
+                prompts, first = (whole, j) if t == 0 else (cut, j + 3 * t)
+                candidates = [prompts[(first + k) % len(prompts)] for k in range(len(prompts))]
+            turn = _required(sg, next(filter(None, (
+                _plan_turn(sg, (session, t), prompt, ending, context, STOP_FROM + j)
+                for prompt in candidates)), None),
+                f"prompt whose continuation has a place for a {ending} ({session}, turn {t})")
+            script[session].append(turn)
+            context = turn.context + turn.want
     return script
+
+
+def _plan_turn(sg: SuiteContext, where: tuple[str, int], prompt: list[int], ending: Ending,
+               context: list[int], stop_from: int) -> Planned | None:
+    """Turn ``where`` (session, index) bringing ``prompt`` after ``context``, ending by
+    ``ending`` (a stop at output index ``stop_from`` or later); None where the continuation
+    leaves no place for the stop."""
+    full = context + prompt
+    plain = {"eos": greedy(EOS_WITHIN, ignore_eos=False),
+             "length": greedy(LENGTH_TOKENS)}.get(ending, greedy(ENDING_TOKENS))
+    want = sg.oracle.greedy(tuple(full), plain)
+    params = _stop_params(sg, ending, want, stop_from) if ending in STOPS else plain
+    if params is None:
+        return None
+    n, reason = _finish(sg, want, params)
+    text = None
+    if params.stop:
+        text = sg.oracle.decode(want[:n])
+        text = text[:min(i for i in (text.find(s) for s in params.stop) if i >= 0)]
+    return Planned(*where, prompt, params, plain, full, want[:n], reason, text)
 
 
 def _assert_endings(sg: SuiteContext, driver: Driver, script: dict[str, list[Planned]]) -> None:
