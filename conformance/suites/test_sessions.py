@@ -155,7 +155,7 @@ RecordProperty = Callable[[str, object], None]
 ENDING_TOKENS = 6    # a stop-ended turn's max_new_tokens
 LENGTH_TOKENS = 4    # a length-ended turn's
 STOP_FROM = 2        # a stop lands at output index STOP_FROM + the session's number, or later
-FOLLOW_TOKENS = 3    # new prompt tokens of a later turn: its output leans on the kept context
+FOLLOW_TOKENS = 2    # new prompt tokens of a later turn: its output leans on the kept context
 EOS_WITHIN = 8       # the EOS case: a prompt the model continues to EOS within this many tokens
 
 
