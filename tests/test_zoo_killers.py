@@ -26,6 +26,7 @@ REPRESENTATIVES = {
     "all_finish_leaves_verify_input",  # speculative state machine: worker
     "stale_result_applied",            # overlap stale results: lifecycle in-flight cases
     "late_commit",                     # what a session keeps: sessions
+    "stop_turn_ends_with_eos",         # a stop-ended turn's kept context: sessions endings
     "stale_padded_rows",               # graph padding: graph tier
     "draft_position_shift",            # lossless acceptance regression: golden
     "seed_ignored",                    # seeds: reproducibility

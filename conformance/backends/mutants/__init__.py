@@ -51,6 +51,7 @@ from conformance.backends.mutants.sampling import (
     VerifyIgnoresTopP,
     VerifyTemperatureMisapplied,
 )
+from conformance.backends.mutants.sessions import StopRunNotCompacted, StopTurnEndsWithEOS
 from conformance.backends.mutants.speculative import (
     AllFinishLeavesVerifyInput,
     DraftCatchUpSkipped,
@@ -161,6 +162,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("verify_temperature_misapplied", VerifyTemperatureMisapplied,
            spec="eagle",
            killed_by="test_distribution.py::test_sampled_tokens_follow_target_distribution[top-k-top-p]"),
+    Mutant("stop_turn_ends_with_eos", StopTurnEndsWithEOS,
+           killed_by="test_sessions.py::test_turns_ending_by_stop"),
+    Mutant("stop_run_not_compacted", StopRunNotCompacted, spec="eagle-tree",
+           killed_by="test_sessions.py::test_turns_ending_by_stop"),
 ]}
 
 
