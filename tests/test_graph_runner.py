@@ -134,6 +134,20 @@ def test_no_history_dependence(probe: RefGraphProbe, kind: str) -> None:
     checks.check_no_history_dependence(probe, kind)
 
 
+def test_history_check_probes_when_the_buckets_cover_every_size(
+        make_probe: MakeProbe, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buckets 1, 2, 3 leave no raw size padded: the check still runs every size, after
+    each of its preludes, rather than probing nothing and passing."""
+    probe = make_probe(sizes=[1, 2, 3])
+    cases: list[GraphCase] = []
+    run = probe.run
+    monkeypatch.setattr(probe, "run", lambda case, *a, **kw: (cases.append(case),
+                                                               run(case, *a, **kw))[1])
+    checks.check_no_history_dependence(probe, "decode")
+    assert {c.raw for c in cases} == {1, 2, 3}
+    assert len(cases) == 3 * (1 + 3 * 2), cases  # per size: first run, 3 x (prelude, again)
+
+
 def test_static_buffers_stay_put_and_outputs_are_fresh(probe: RefGraphProbe) -> None:
     checks.check_static_buffers_and_fresh_outputs(probe)
 

@@ -193,15 +193,16 @@ def check_poisoned_padding(probe: GraphProbe, kind: str, seed: int = 0) -> Recor
 
 
 def check_no_history_dependence(probe: GraphProbe, kind: str, seed: int = 0) -> Recorder:
-    """Every padded raw size: its result, fresh, equals (bitwise) its result after the
-    largest batch, after a batch on another bucket and after a poisoned run of a smaller
-    bucket (whose hostile tail lies inside this one's bucket); and the first result's tensors
-    are not overwritten by the runs after it (outputs are fresh memory)."""
+    """Every padded raw size (every raw size where the buckets leave none padded: the check
+    always probes): its result, fresh, equals (bitwise) its result after the largest batch,
+    after a batch on another bucket and after a poisoned run of a smaller bucket (whose
+    hostile tail lies inside this one's bucket); and the first result's tensors are not
+    overwritten by the runs after it (outputs are fresh memory)."""
     rec = Recorder(probe)
     top = probe.max_batch()
     buckets = probe.buckets()
     padded = [raw for raw in range(1, top + 1) if raw not in buckets]
-    for raw in padded:
+    for raw in padded or range(1, top + 1):
         first = rec.run(kind, raw, "graph", seed)
         kept = {name: t.clone() for name, t in first.outputs.items()}
         others = [b for b in buckets if b not in (first.bucket, top)]
