@@ -27,6 +27,7 @@ from typing import Literal
 from conformance.backends.mutants.graph import (
     BonusTokensNotRestaged,
     ExtendPaddingNotRestaged,
+    KeyWidthIgnoresNewTokens,
     StalePaddedRows,
 )
 from conformance.backends.mutants.lifecycle import (
@@ -111,6 +112,8 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("bonus_tokens_not_restaged", BonusTokensNotRestaged, spec="mtp", graphs="replay"),
     Mutant("extend_padding_not_restaged", ExtendPaddingNotRestaged, spec="eagle",
            graphs="replay"),
+    Mutant("key_width_ignores_new_tokens", KeyWidthIgnoresNewTokens, graphs="replay",
+           killed_by="test_graph.py::test_graph_matches_eager_either_side_of_every_key_width"),
     Mutant("seed_ignored", SeedIgnored),
     Mutant("seed_by_batch_row", SeedByBatchRow, spec="eagle"),
     Mutant("stop_string_at_run_end", StopStringAtRunEnd, spec="eagle"),
