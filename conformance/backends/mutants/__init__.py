@@ -27,6 +27,7 @@ from typing import Literal
 from conformance.backends.mutants.graph import (
     BonusTokensNotRestaged,
     ExtendPaddingNotRestaged,
+    KeyWidthFromFirstRequest,
     KeyWidthIgnoresNewTokens,
     StalePaddedRows,
 )
@@ -114,6 +115,8 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            graphs="replay"),
     Mutant("key_width_ignores_new_tokens", KeyWidthIgnoresNewTokens, graphs="replay",
            killed_by="test_graph.py::test_graph_matches_eager_either_side_of_every_key_width"),
+    Mutant("key_width_from_first_request", KeyWidthFromFirstRequest, graphs="replay",
+           killed_by="test_lossless.py::test_graph_runner_across_key_widths"),
     Mutant("seed_ignored", SeedIgnored),
     Mutant("seed_by_batch_row", SeedByBatchRow, spec="eagle"),
     Mutant("stop_string_at_run_end", StopStringAtRunEnd, spec="eagle"),

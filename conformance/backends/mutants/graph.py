@@ -1,5 +1,6 @@
 """Graph-runner mutants: padded rows that keep an earlier replay's values, draft-loop
-buffers staged only at capture, a key width chosen for the cached prefix alone."""
+buffers staged only at capture, key widths chosen for the cached prefix alone or for the
+first request."""
 
 from __future__ import annotations
 
@@ -66,6 +67,26 @@ class KeyWidthIgnoresNewTokens(Engine):
     """
 
     graph_runner_class = _PrefixWidthGraphRunner
+
+
+class _FirstRequestWidthGraphRunner(GraphRunner):
+    def graph_key(self, batch: ForwardBatch) -> GraphKey | None:
+        key = super().graph_key(batch)
+        if key is None:
+            return None
+        assert isinstance(batch, GraphBatch) and batch.seq_lens is not None
+        return _on_width_for(self, key, int(batch.seq_lens[0]))  # BUG: not the longest's
+
+
+class KeyWidthFromFirstRequest(Engine):
+    """Key width from the first request: a graph runner picks each replay's key width by the
+    batch's first request, as if batches came sorted longest first, so a longer request later
+    in the batch attends over a width too narrow for it and loses every key past it. While
+    every context fits the smallest width, and everywhere without the graph runner, it is
+    exact: only a batch mixing requests either side of a width shows it.
+    """
+
+    graph_runner_class = _FirstRequestWidthGraphRunner
 
 
 class _CaptureTimeBonusTokens(LoopStaging):
