@@ -167,6 +167,8 @@ def test_key_width_boundaries(make_probe: MakeProbe, kind: str) -> None:
         assert run.key_width == width and run.bucket == 4, (context, run.key_width)
     with pytest.raises(ValueError, match="context: at most"):
         probe.run(GraphCase(kind, 3, context=top + 1), "graph")
+    with pytest.raises(ValueError, match="committed: at least the longest prompt"):
+        probe.run(GraphCase(kind, 3, context=8), "graph")
 
 
 def test_key_width_check_sees_a_width_one_too_narrow(make_probe: MakeProbe) -> None:

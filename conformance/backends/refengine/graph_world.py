@@ -8,10 +8,10 @@ one case see the same slots, rows and bytes, while the graph runner (static buff
 or compiled keys) persists across runs: that is what makes history dependence observable.
 
 A case with a context length stretches the case's last request for the run (so the longest
-request is not the batch's first): its committed
-prefix grows to that length over slots that hold the world's seeded noise (a prefill over
-thousands of positions would cost seconds per case; eager and graph read the same bytes
-either way), and shrinks back with the run's own allocations.
+request is not the batch's first): its committed prefix grows to that length over slots that
+hold the world's seeded noise (a prefill over thousands of positions would cost seconds per
+case; eager and graph read the same bytes either way), and shrinks back with the run's own
+allocations.
 """
 
 from __future__ import annotations
@@ -150,7 +150,8 @@ class ProbeWorld:
     def requests(self, raw: int, seed: int = 0, committed: int | None = None
                  ) -> Iterator[list[Req]]:
         """The first ``raw`` requests of ``seed``'s world, on a fresh copy of it (pool, row
-        table); ``committed``: the last of them stretched to that many committed positions.
+        table); ``committed``: the last of them stretched to that many committed positions
+        (at least every one's prompt: it is then the longest).
         Afterwards what they allocated is rolled back (checked) and the copy restored. Every
         batch built on them must allocate in request order (as the runner's ``prepare_*`` do),
         so rolling back in reverse order restores the free list exactly."""
@@ -162,9 +163,10 @@ class ProbeWorld:
         last, prefilled = reqs[-1], reqs[-1].kv_committed_len
         try:
             if committed is not None:
-                if committed < prefilled:
-                    raise ValueError(f"committed: at least the prompt's {prefilled} positions, "
-                                     f"got {committed}")
+                longest = max(r.kv_committed_len for r in reqs)
+                if committed < longest:
+                    raise ValueError(f"committed: at least the longest prompt's {longest} "
+                                     f"positions, got {committed}")
                 self.kv.extend(last, committed - prefilled)  # slots with the world's noise
                 self.kv.commit(last, committed - prefilled)
             yield reqs
