@@ -119,9 +119,9 @@ def test_past_context_boundary(sg: SuiteContext, spec_config: SpecConfig | None,
 def test_graph_runner_across_key_widths(sg: SuiteContext) -> None:
     """Once with the backend's graph runner on (executor ``replay``) in a run without
     ``--graphs``: requests whose contexts cross key widths while decoding, with short ones in
-    the same batch, so a graph-only bug in key selection (a width one too narrow drops the
-    newest keys) is an output difference. Not applicable under ``--graphs`` (every check
-    replays then). Requires: graph_runner."""
+    the same batch, so a graph-only bug in key selection (a width too narrow for a request
+    drops its keys past the width) is an output difference. Not applicable under
+    ``--graphs`` (every check replays then). Requires: graph_runner."""
     graphed = with_graph_runner(sg)
     requests = {**_batch(sg, 4), **key_width_requests(sg)}  # the longest arrive last
     with open_driver(graphed) as driver:
