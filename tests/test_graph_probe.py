@@ -23,7 +23,7 @@ from conformance.checks.graph import (
     compare_outputs,
 )
 from conformance.cli import main
-from conformance.contract import GraphProbe, OpenConfig
+from conformance.contract import GraphProbe, KeyWidthProbe, OpenConfig
 from conformance.contract.graph_probe import PADDED_FIELDS, STATE_DIGESTS, GraphCase
 from refengine.config import SamplingParams
 from refengine.graph import GraphRunner
@@ -66,6 +66,10 @@ def test_speaks_the_protocol(open_handle: type[RefEngineHandle]) -> None:
     assert run.outputs["logits"].shape[0] == 3 * 4 and run.outputs["kv_k"].shape[1] == 12
     eager = probe.run(GraphCase("verify-tree", 3), "eager")
     assert eager.bucket == 3 and eager.buffers == {} and eager.padded == {}
+    assert eager.key_width is None and run.key_width == 256
+    assert isinstance(probe, KeyWidthProbe) and probe.key_widths("decode") == (256, 512)
+    wide = probe.run(GraphCase("decode", 3, context=257), "graph")
+    assert wide.key_width == 512 and wide.bucket == 4
 
 
 def test_runs_are_deterministic_and_self_contained(
@@ -169,4 +173,4 @@ def test_graph_tier_passes_under_the_compiled_executor(
     checks = json.loads(results.read_text())["checks"]
     outcomes = {c["nodeid"].split("::")[-1]: c["outcome"] for c in checks}
     assert outcomes.pop("test_kinds_without_kv_writes_leave_the_pool_untouched") == "skipped"
-    assert set(outcomes.values()) == {"passed"} and len(outcomes) == 5, checks
+    assert set(outcomes.values()) == {"passed"} and len(outcomes) == 6, checks

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from conformance.backends.mutants import MUTANTS
 from conformance.backends.refengine.graph_kinds import (
     KINDS,
     ForwardKind,
@@ -30,7 +31,7 @@ from conformance.backends.refengine.graph_probe import RefGraphProbe
 from conformance.backends.refengine.graph_world import POISON_STYLES
 from conformance.checks import graph as checks
 from conformance.checks.graph import Recorder, compare_outputs, compare_state
-from conformance.contract.graph_probe import GraphCase
+from conformance.contract.graph_probe import GraphCase, GraphProbe, KeyWidthProbe
 from refengine.graph import (
     DUMMY_ROW,
     DUMMY_SLOT,
@@ -67,14 +68,15 @@ def make_probe(model: LlamaForCausalLM) -> MakeProbe:
     """A probe on a fresh KV manager over the random model; ``executor`` and ``graph_kw`` go
     to its graph runner (replay, buckets up to MAX_BS, N verify tokens by default)."""
 
-    def make(executor: Any = "replay", **graph_kw: Any) -> RefGraphProbe:
+    def make(executor: Any = "replay", graph_class: type[GraphRunner] = GraphRunner,
+             **graph_kw: Any) -> RefGraphProbe:
         cfg = model.config
         kv = KVManager(4096, PAGE, MAX_BS, cfg.max_position_embeddings,
                        (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim),
                        torch.float32, "cpu", row_headroom=N)
         runner = ModelRunner(model, None, kv)
         exe = executor(runner) if callable(executor) else executor
-        return RefGraphProbe(runner, make_graph=lambda: GraphRunner(
+        return RefGraphProbe(runner, make_graph=lambda: graph_class(
             runner, exe, verify_tokens=N, **graph_kw))
 
     return make
@@ -132,6 +134,63 @@ def test_every_poison_style_changes_nothing(probe: RefGraphProbe, kind: str) -> 
 @pytest.mark.parametrize("kind", FORWARD_KINDS)
 def test_no_history_dependence(probe: RefGraphProbe, kind: str) -> None:
     checks.check_no_history_dependence(probe, kind)
+
+
+def test_history_check_probes_when_the_buckets_cover_every_size(
+        make_probe: MakeProbe, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buckets 1, 2, 3 leave no raw size padded: the check still runs every size, after
+    each of its preludes, rather than probing nothing and passing."""
+    probe = make_probe(sizes=[1, 2, 3])
+    cases: list[GraphCase] = []
+    run = probe.run
+    monkeypatch.setattr(probe, "run", lambda case, *a, **kw: (cases.append(case),
+                                                               run(case, *a, **kw))[1])
+    checks.check_no_history_dependence(probe, "decode")
+    assert {c.raw for c in cases} == {1, 2, 3}
+    assert len(cases) == 3 * (1 + 3 * 2), cases  # per size: first run, 3 x (prelude, again)
+
+
+@pytest.mark.parametrize("kind", FORWARD_KINDS)
+def test_key_width_boundaries(make_probe: MakeProbe, kind: str) -> None:
+    """Key lengths either side of every width (here 64, 128, 256, 516) up to what the model
+    reaches: graph == eager on the smallest width that holds the case."""
+    probe = make_probe(kv_sizes=[64, 128, 256, 516])
+    assert isinstance(probe, KeyWidthProbe) and probe.key_widths(kind) == (64, 128, 256, 516)
+    top = probe.max_context(kind)  # one position short of the context limit, plus the block
+    assert top == 511 + (1 if kind == "decode" else N)
+    assert checks.width_contexts(probe, kind) == [63, 64, 65, 127, 128, 129, 255, 256, 257,
+                                                  *([515] if top >= 515 else [])]
+    assert checks.width_contexts(probe, kind, up_to=128) == [63, 64, 65, 127, 128]
+    checks.check_key_width_boundaries(probe, kind, 3)
+    for context, width in ((64, 64), (65, 128), (top, 516)):
+        run = probe.run(GraphCase(kind, 3, context=context), "graph")
+        assert run.key_width == width and run.bucket == 4, (context, run.key_width)
+    with pytest.raises(ValueError, match="context: at most"):
+        probe.run(GraphCase(kind, 3, context=top + 1), "graph")
+    with pytest.raises(ValueError, match="committed: at least the longest prompt"):
+        probe.run(GraphCase(kind, 3, context=8), "graph")
+
+
+def test_key_width_check_sees_a_width_one_too_narrow(make_probe: MakeProbe) -> None:
+    """A runner choosing the width for the cached prefix alone (the zoo's
+    ``key_width_ignores_new_tokens``) replays 65 key columns on width 64: the newest key is
+    dropped and the outputs differ from eager."""
+    probe = make_probe(graph_class=MUTANTS["key_width_ignores_new_tokens"].engine_class
+                       .graph_runner_class, kv_sizes=[64, 128, 516])
+    with pytest.raises(AssertionError, match=r"context=65 key_width=64: output 'logits'"):
+        checks.check_key_width_boundaries(probe, "decode", 3)
+
+
+def test_a_probe_without_widths_is_still_a_graph_probe(probe: RefGraphProbe) -> None:
+    """The widths are optional: a probe with only ``GraphProbe``'s methods is one, and the
+    width check refuses it (the tier reports its check not applicable)."""
+
+    methods = ("kinds", "max_batch", "buckets", "padding_policy", "float_tolerance",
+               "writes_kv", "run")
+    plain = type("Plain", (), {m: staticmethod(getattr(probe, m)) for m in methods})()
+    assert isinstance(plain, GraphProbe) and not isinstance(plain, KeyWidthProbe)
+    with pytest.raises(AssertionError, match="lists no key widths"):
+        checks.check_key_width_boundaries(plain, "decode", 3)  # type: ignore[arg-type]
 
 
 def test_static_buffers_stay_put_and_outputs_are_fresh(probe: RefGraphProbe) -> None:

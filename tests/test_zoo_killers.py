@@ -28,6 +28,7 @@ REPRESENTATIVES = {
     "late_commit",                     # what a session keeps: sessions
     "stop_turn_ends_with_eos",         # a stop-ended turn's kept context: sessions endings
     "stale_padded_rows",               # graph padding: graph tier
+    "key_width_from_first_request",    # graph key width: lossless with the graph runner on
     "draft_position_shift",            # lossless acceptance regression: golden
     "seed_ignored",                    # seeds: reproducibility
     "verify_ignores_top_p",            # sampled law: distribution

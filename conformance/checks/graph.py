@@ -7,7 +7,8 @@ adapter; ``tests/test_graph_runner.py`` runs the same functions on the reference
 over a small random model, so the properties have one statement.
 
 Every run goes through a ``Recorder``, which also checks on every graph run that the static
-buffers have not moved since the kind's first graph run.
+buffers have not moved since the kind's first graph run. A probe that lists its key widths
+(``KeyWidthProbe``) also gets cases either side of every width (``check_key_width_boundaries``).
 """
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ from conformance.contract.graph_probe import (
     GraphCase,
     GraphProbe,
     GraphRun,
+    KeyWidthProbe,
 )
 
 
 def where(run: GraphRun) -> str:
-    """The failure-message prefix: which case, on which bucket."""
-    return f"kind={run.case.kind} raw={run.case.raw} bucket={run.bucket} seed={run.case.seed}"
+    """The failure-message prefix: which case, on which bucket (and key width)."""
+    at = f"kind={run.case.kind} raw={run.case.raw} bucket={run.bucket} seed={run.case.seed}"
+    if run.case.context is not None:
+        at += f" context={run.case.context} key_width={run.key_width}"
+    return at
 
 
 def expected_bucket(probe: GraphProbe, raw: int) -> int | None:
@@ -46,8 +51,8 @@ class Recorder:
     pointers: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def run(self, kind: str, raw: int, mode: Literal["eager", "graph"], seed: int = 0,
-            poison: bool = False) -> GraphRun:
-        run = self.probe.run(GraphCase(kind, raw, seed), mode, poison)
+            poison: bool = False, context: int | None = None) -> GraphRun:
+        run = self.probe.run(GraphCase(kind, raw, seed, context), mode, poison)
         at = where(run)
         assert set(run.state) == set(run.initial) == set(STATE_DIGESTS), (
             f"{at} {mode}: state digests {sorted(run.state)} / {sorted(run.initial)}, "
@@ -111,23 +116,60 @@ def check_state_untouched(probe: GraphProbe, run: GraphRun) -> None:
     compare_state(run, run.initial, "before the forward", why)
 
 
+def graph_against_eager(rec: Recorder, kind: str, raw: int, seed: int = 0,
+                        context: int | None = None) -> GraphRun:
+    """One case eager and graph: same starting state, graph outputs == eager (the probe's
+    tolerance), neither changes state outside the real rows' KV, and the padded rows changed
+    nothing the eager run did not. -> the graph run."""
+    eager = rec.run(kind, raw, "eager", seed, context=context)
+    graph = rec.run(kind, raw, "graph", seed, context=context)
+    assert graph.initial == eager.initial, (
+        f"{where(graph)}: the graph run started from other state than the eager run "
+        f"(digests {[k for k in STATE_DIGESTS if graph.initial[k] != eager.initial[k]]}); "
+        "the probe must reset per run")
+    compare_outputs(graph, eager, rec.probe.float_tolerance(), "graph vs eager")
+    check_state_untouched(rec.probe, eager)
+    check_state_untouched(rec.probe, graph)
+    compare_state(graph, eager.state, "the eager run's", "padded rows wrote state a "
+                  "request owns")
+    return graph
+
+
 def check_graph_matches_eager(probe: GraphProbe, kind: str, seed: int = 0) -> Recorder:
     """Every raw size: graph outputs == eager (tolerance for floats), both start from the
     same state, and neither changes anything but the real rows' KV (and the dummy page)."""
     rec = Recorder(probe)
-    tol = probe.float_tolerance()
     for raw in range(1, probe.max_batch() + 1):
-        eager = rec.run(kind, raw, "eager", seed)
-        graph = rec.run(kind, raw, "graph", seed)
-        assert graph.initial == eager.initial, (
-            f"{where(graph)}: the graph run started from other state than the eager run "
-            f"(digests {[k for k in STATE_DIGESTS if graph.initial[k] != eager.initial[k]]}); "
-            "the probe must reset per run")
-        compare_outputs(graph, eager, tol, "graph vs eager")
-        check_state_untouched(probe, eager)
-        check_state_untouched(probe, graph)
-        compare_state(graph, eager.state, "the eager run's", "padded rows wrote state a "
-                      "request owns")
+        graph_against_eager(rec, kind, raw, seed)
+    return rec
+
+
+def width_contexts(probe: KeyWidthProbe, kind: str, up_to: int | None = None) -> list[int]:
+    """Key lengths either side of every key width ``w`` of ``kind``: ``w - 1``, ``w`` and
+    ``w + 1``, those the kind can reach (``max_context``) up to ``up_to``."""
+    top = probe.max_context(kind) if up_to is None else min(probe.max_context(kind), up_to)
+    return sorted({n for w in probe.key_widths(kind) for n in (w - 1, w, w + 1)
+                   if 1 <= n <= top})
+
+
+def check_key_width_boundaries(probe: GraphProbe, kind: str, raw: int, seed: int = 0,
+                               up_to: int | None = None) -> Recorder:
+    """``raw`` requests whose longest key length sits either side of every key width, up to
+    ``up_to`` (``width_contexts``): graph == eager as in ``check_graph_matches_eager``, and
+    the width the graph run reports (if it does) is the smallest that holds the key length. A
+    width one too narrow drops the newest keys; one too wide costs time only, but says the
+    choice is off by one."""
+    assert isinstance(probe, KeyWidthProbe), "the probe lists no key widths"
+    rec = Recorder(probe)
+    widths = probe.key_widths(kind)
+    assert list(widths) == sorted(set(widths)) and widths[0] >= 1, (
+        f"kind={kind}: key widths {widths} are not ascending and positive")
+    for context in width_contexts(probe, kind, up_to):
+        graph = graph_against_eager(rec, kind, raw, seed, context)
+        want = next(w for w in widths if w >= context)
+        assert graph.key_width in (None, want), (
+            f"{where(graph)}: replayed on key width {graph.key_width}, the smallest of "
+            f"{widths} that holds {context} key columns is {want}")
     return rec
 
 
@@ -193,15 +235,16 @@ def check_poisoned_padding(probe: GraphProbe, kind: str, seed: int = 0) -> Recor
 
 
 def check_no_history_dependence(probe: GraphProbe, kind: str, seed: int = 0) -> Recorder:
-    """Every padded raw size: its result, fresh, equals (bitwise) its result after the
-    largest batch, after a batch on another bucket and after a poisoned run of a smaller
-    bucket (whose hostile tail lies inside this one's bucket); and the first result's tensors
-    are not overwritten by the runs after it (outputs are fresh memory)."""
+    """Every padded raw size (every raw size where the buckets leave none padded: the check
+    always probes): its result, fresh, equals (bitwise) its result after the largest batch,
+    after a batch on another bucket and after a poisoned run of a smaller bucket (whose
+    hostile tail lies inside this one's bucket); and the first result's tensors are not
+    overwritten by the runs after it (outputs are fresh memory)."""
     rec = Recorder(probe)
     top = probe.max_batch()
     buckets = probe.buckets()
     padded = [raw for raw in range(1, top + 1) if raw not in buckets]
-    for raw in padded:
+    for raw in padded or range(1, top + 1):
         first = rec.run(kind, raw, "graph", seed)
         kept = {name: t.clone() for name, t in first.outputs.items()}
         others = [b for b in buckets if b not in (first.bucket, top)]

@@ -22,6 +22,7 @@ from conformance.contract.graph_probe import (
     GraphCase,
     GraphProbe,
     GraphRun,
+    KeyWidthProbe,
     Mode,
     PaddingPolicy,
 )
@@ -42,7 +43,8 @@ from specwire import (
 __all__ = [
     "ALGORITHMS", "FLAG_NAMES", "PADDED_FIELDS", "PRECISIONS", "STATE_DIGESTS", "Backend",
     "BuildTree", "Capabilities", "EngineHandle", "Event", "FinishEvent", "FinishReason",
-    "GraphCase", "GraphProbe", "GraphRun", "KernelImpls", "MemoryView", "Mode", "OpenConfig",
-    "PaddingPolicy", "PhaseRecord", "ReqKV", "Request", "RetractEvent", "SamplingParams",
-    "SpecConfig", "TokenEvent", "VerifyGreedy", "WorkerHooks", "unclaimed_reasons",
+    "GraphCase", "GraphProbe", "GraphRun", "KernelImpls", "KeyWidthProbe", "MemoryView", "Mode",
+    "OpenConfig", "PaddingPolicy", "PhaseRecord", "ReqKV", "Request", "RetractEvent",
+    "SamplingParams", "SpecConfig", "TokenEvent", "VerifyGreedy", "WorkerHooks",
+    "unclaimed_reasons",
 ]

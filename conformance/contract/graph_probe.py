@@ -10,6 +10,11 @@ what it needs to compare them from outside (``GraphRun``). Nothing in the protoc
 specific to one engine: a kind is a name the backend chooses ("decode", "verify-tree", a draft
 loop), inputs derive from the seed on the backend side, state is compared by digest.
 
+A graph runner also picks a *key width* per replay (how many key columns each request's
+attention gathers): a probe that lists its widths (the optional ``KeyWidthProbe``) takes cases
+with a ``context`` length and reports the width each graph run used, so the tier can run cases
+either side of every width and check the choice.
+
 The data types ``GraphCase``, ``GraphRun`` and ``PaddingPolicy`` are defined here, with the
 protocol; the reference engine's probe (``backends/refengine/graph_probe.py``) uses them.
 """
@@ -22,8 +27,8 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 if TYPE_CHECKING:  # annotations only: the contract never imports torch at run time
     import torch
 
-__all__ = ["PADDED_FIELDS", "STATE_DIGESTS", "GraphCase", "GraphProbe", "GraphRun", "Mode",
-           "PaddingPolicy"]
+__all__ = ["PADDED_FIELDS", "STATE_DIGESTS", "GraphCase", "GraphProbe", "GraphRun",
+           "KeyWidthProbe", "Mode", "PaddingPolicy"]
 
 Mode = Literal["eager", "graph"]
 
@@ -42,11 +47,17 @@ STATE_DIGESTS = ("kv", "request_rows", "allocator")
 @dataclass(frozen=True)
 class GraphCase:
     """One synthetic forward: ``kind``, ``raw`` real requests, inputs derived from ``seed``
-    (the same seed with a bigger ``raw`` extends the smaller batch by more requests)."""
+    (the same seed with a bigger ``raw`` extends the smaller batch by more requests).
+
+    ``context`` (only for a ``KeyWidthProbe``): the key length of the case's longest request,
+    the positions its attention spans in this forward (its cached prefix and what the forward
+    adds: the new token, the verify block, the draft's scratch); None: the probe's own short
+    lengths."""
 
     kind: str
     raw: int
     seed: int = 0
+    context: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,7 +84,8 @@ class GraphRun:
     whole pool but the dummy page), the request-row table ("request_rows") and the allocators
     ("allocator"). ``buffers``: data pointer of every static buffer the graph run used (empty
     for eager). ``padded``: the staged index fields of the padded rows (``PADDED_FIELDS``'
-    names; empty tensors when the batch filled its bucket, none for eager)."""
+    names; empty tensors when the batch filled its bucket, none for eager). ``key_width``:
+    the key width the graph run replayed on (None: eager, or a probe that does not say)."""
 
     case: GraphCase
     mode: Mode
@@ -83,6 +95,7 @@ class GraphRun:
     state: dict[str, str]
     buffers: dict[str, int] = field(default_factory=dict)
     padded: dict[str, torch.Tensor] = field(default_factory=dict)
+    key_width: int | None = None
 
 
 @runtime_checkable
@@ -118,3 +131,19 @@ class GraphProbe(Protocol):
         """Run ``case``: "eager" is the unpadded eager computation, "graph" stages, pads,
         executes on the graph runner and slices. ``poison``: before staging, fill the padded
         tail of every static buffer with hostile values (NaN floats, out-of-range integers)."""
+
+
+@runtime_checkable
+class KeyWidthProbe(Protocol):
+    """Optional, on top of ``GraphProbe``: a graph runner whose keys also fix a key width. Its
+    probe takes ``GraphCase.context`` and reports ``GraphRun.key_width``; the tier then runs
+    every kind either side of every width (a probe without these methods gets those checks
+    reported not applicable)."""
+
+    def key_widths(self, kind: str) -> tuple[int, ...]:
+        """``kind``'s key widths, ascending; a replay uses the smallest that holds its
+        longest request's key length (``GraphCase.context``)."""
+
+    def max_context(self, kind: str) -> int:
+        """The longest ``context`` a case of ``kind`` can have (the widest width, the model's
+        positions, the room the kind needs past it)."""

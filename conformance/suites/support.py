@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Literal
 
 import pytest
@@ -12,7 +13,7 @@ from conformance.checks.oracle import NEAR_TIE_EPSILON
 from conformance.contract import SamplingParams, SpecConfig
 from conformance.run.driver import Driver, Outcome, backend_call, step_budget
 from conformance.run.plugin import SuiteContext, context
-from conformance.run.requests import context_limit, requests_across
+from conformance.run.requests import BOUNDARY_LEAD, context_limit, requests_across
 from conformance.run.requests import greedy as greedy  # the tiers' spelling: support.greedy
 from conformance.run.specs import config_id
 from refengine.data import fixture_names
@@ -22,6 +23,9 @@ from refengine.data import fixture_names
 PAGE_SIZES = [1, pytest.param(4, marks=pytest.mark.specgate_requires("memory_view"))]
 
 LONG_PREFILL_CHUNK = 96  # max_prefill_tokens for long requests: some chunk straddles each boundary
+
+KEY_WIDTH_PAST = 4  # tokens a graphed check's request decodes past a boundary
+GRAPH_CHECK_EXECUTOR = "replay"  # no compile time, and the same key selection as compiled
 
 
 def parametrize_context_boundaries(metafunc: pytest.Metafunc) -> None:
@@ -39,6 +43,28 @@ def long_context_requests(sg: SuiteContext, boundary: int
                           ) -> dict[str, tuple[list[int], SamplingParams]]:
     """``requests_across(sg.model, boundary)``: the suite modules' spelling."""
     return requests_across(sg.model, boundary)
+
+
+def key_width_requests(sg: SuiteContext) -> dict[str, tuple[list[int], SamplingParams]]:
+    """For each of the profile's context boundaries below the model's context limit (powers of
+    two, where graph runners commonly switch key widths), the prompt of
+    ``long_context_requests`` that decodes (speculates) across it, asking only a few tokens
+    past it: a graphed step then runs on either side of the boundary."""
+    limit = context_limit(sg.model)
+    return {rid: (prompt, replace(params, max_new_tokens=BOUNDARY_LEAD + KEY_WIDTH_PAST))
+            for n in sg.profile.context_boundaries if n < limit
+            for rid, (prompt, params) in long_context_requests(sg, n).items()
+            if rid.startswith("decode-across")}
+
+
+def with_graph_runner(sg: SuiteContext) -> SuiteContext:
+    """``sg`` opening the backend with its graph runner on (``GRAPH_CHECK_EXECUTOR``), for the
+    check a tier runs graphed in a run without ``--graphs``. Not applicable (skipped, with the
+    reason) when the run is graphed already: every check of the tier replays then."""
+    if sg.graph_executor is not None:
+        pytest.skip(f"not applicable: this run opens every check with the graph runner on "
+                    f"(--graphs {sg.graph_executor})")
+    return replace(sg, graph_executor=GRAPH_CHECK_EXECUTOR)
 
 
 def assert_length_limited(sg: SuiteContext, outcomes: dict[str, Outcome],

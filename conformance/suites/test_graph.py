@@ -15,9 +15,14 @@ live in ``conformance/checks/graph.py``):
 - hostile values in the padded tail before staging change nothing, bitwise;
 - no history dependence: the same case after the largest batch, another bucket and a poisoned
   run gives the same bits;
-- static buffers never move; outputs are fresh memory and keep their values.
+- static buffers never move; outputs are fresh memory and keep their values;
+- for a probe that lists its key widths (``KeyWidthProbe``): every kind at key lengths either
+  side of every width up to the profile's longest context boundary (the gate: 512; the full
+  profile: the model's context limit), graph == eager, on the smallest width that holds the
+  case (a second engine, with a pool for the longest context).
 
-One engine per worker for the tier: a compiled executor compiles each key once.
+One engine per worker for the tier (and one for the widths): a compiled executor compiles each
+key once.
 """
 
 from __future__ import annotations
@@ -29,31 +34,54 @@ import pytest
 from conformance.checks.graph import (
     Recorder,
     check_graph_matches_eager,
+    check_key_width_boundaries,
     check_no_history_dependence,
     check_padding_policy,
     check_poisoned_padding,
     check_state_untouched,
     check_static_buffers_and_fresh_outputs,
 )
-from conformance.contract import GraphProbe
+from conformance.contract import GraphProbe, KeyWidthProbe
 from conformance.run.plugin import SuiteContext
+from conformance.run.requests import context_limit
 
 pytestmark = [pytest.mark.specgate_tier("graph"), pytest.mark.specgate_requires("graph_runner")]
 
 # Up to 10 requests: buckets 1, 2, 4, 8, 10 for a backend that pads like the reference engine,
 # so raw sizes 3, 5, 6, 7 and 9 run padded. A small pool keeps the state digests cheap.
 GRAPH_LIMITS = {"max_running_requests": 10, "kv_pool_tokens": 1024, "page_size": 4}
+# The key widths: up to 4 requests (raw size 3 runs padded, beside 2 short requests), in a
+# pool with room for one at the longest context the profile reaches.
+WIDTH_RAW = 3
+WIDTH_LIMITS = {"max_running_requests": 4, "page_size": 4}
+WIDTH_POOL_SPARE = 512  # tokens past the longest context: the short requests, the draft's room
 
 
-@pytest.fixture(scope="module")
-def probe(sg: SuiteContext) -> Iterator[GraphProbe]:
-    handle = sg.backend.open(sg.open_config(sg.spec.configs[0], **GRAPH_LIMITS))
+def _open_probe(sg: SuiteContext, **limits: int) -> Iterator[GraphProbe]:
+    handle = sg.backend.open(sg.open_config(sg.spec.configs[0], **limits))
     try:
         made = handle.graph_probe()  # type: ignore[attr-defined]
         assert isinstance(made, GraphProbe), f"graph_probe() returned {type(made).__name__}"
         yield made
     finally:
         handle.close()
+
+
+@pytest.fixture(scope="module")
+def probe(sg: SuiteContext) -> Iterator[GraphProbe]:
+    yield from _open_probe(sg, **GRAPH_LIMITS)
+
+
+def widest_context(sg: SuiteContext) -> int:
+    """The longest key length the width check reaches: one past the profile's longest
+    context boundary (so a width there is crossed), at most the model's context limit."""
+    return min(context_limit(sg.model), max(sg.profile.context_boundaries) + 1)
+
+
+@pytest.fixture(scope="module")
+def wide_probe(sg: SuiteContext) -> Iterator[GraphProbe]:
+    yield from _open_probe(sg, kv_pool_tokens=widest_context(sg) + WIDTH_POOL_SPARE,
+                           **WIDTH_LIMITS)
 
 
 def test_padded_rows_follow_the_policy(probe: GraphProbe) -> None:
@@ -95,3 +123,17 @@ def test_kinds_without_kv_writes_leave_the_pool_untouched(probe: GraphProbe) -> 
         for raw in range(1, probe.max_batch() + 1):
             for mode in ("eager", "graph"):
                 check_state_untouched(probe, rec.run(kind, raw, mode))
+
+
+def test_graph_matches_eager_either_side_of_every_key_width(sg: SuiteContext,
+                                                           wide_probe: GraphProbe) -> None:
+    """Every kind, key lengths ``w - 1``, ``w``, ``w + 1`` for every key width ``w`` up to
+    ``widest_context`` (and what the kind can reach): graph == eager, no state changed outside
+    the real rows' KV, and the reported width is the smallest that holds the case. Not
+    applicable to a probe that lists no key widths."""
+    if not isinstance(wide_probe, KeyWidthProbe):
+        pytest.skip("not applicable: the graph probe lists no key widths (key_widths and "
+                    "max_context, docs/adapter.md), so it takes no context length")
+    for kind in wide_probe.kinds():
+        check_key_width_boundaries(wide_probe, kind, min(WIDTH_RAW, wide_probe.max_batch()),
+                                   up_to=widest_context(sg))

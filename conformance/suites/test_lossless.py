@@ -23,11 +23,13 @@ from conformance.suites.support import (
     assert_length_limited,
     assert_matches_oracle,
     greedy,
+    key_width_requests,
     long_context_requests,
     open_driver,
     parametrize_context_boundaries,
     parametrize_spec_configs,
     run_all,
+    with_graph_runner,
 )
 
 pytestmark = pytest.mark.specgate_tier("lossless")
@@ -109,5 +111,20 @@ def test_past_context_boundary(sg: SuiteContext, spec_config: SpecConfig | None,
         outcomes = run_all(driver, requests)
         record_property("retractions", driver.retractions)
         assert not retract_every or driver.retractions > 0, "the forced-retract hook never fired"
+    assert_matches_oracle(sg, outcomes, requests)
+    assert_length_limited(sg, outcomes, requests)
+
+
+@pytest.mark.specgate_requires("graph_runner")
+def test_graph_runner_across_key_widths(sg: SuiteContext) -> None:
+    """Once with the backend's graph runner on (executor ``replay``) in a run without
+    ``--graphs``: requests whose contexts cross key widths while decoding, with short ones in
+    the same batch, so a graph-only bug in key selection (a width too narrow for a request
+    drops its keys past the width) is an output difference. Not applicable under
+    ``--graphs`` (every check replays then). Requires: graph_runner."""
+    graphed = with_graph_runner(sg)
+    requests = {**_batch(sg, 4), **key_width_requests(sg)}  # the longest arrive last
+    with open_driver(graphed) as driver:
+        outcomes = run_all(driver, requests)
     assert_matches_oracle(sg, outcomes, requests)
     assert_length_limited(sg, outcomes, requests)

@@ -20,9 +20,11 @@ from conformance.suites.support import (
     PAGE_SIZES,
     assert_matches_oracle,
     greedy,
+    key_width_requests,
     long_context_requests,
     open_driver,
     parametrize_context_boundaries,
+    with_graph_runner,
 )
 
 pytestmark = [pytest.mark.specgate_tier("memory"),
@@ -107,3 +109,18 @@ def test_invariants_past_context_boundary(sg: SuiteContext, boundary: int,
     requests = {**long_context_requests(sg, boundary), **dict(short)}
     _load_mix(sg, requests, rng, abort_fraction=0.0, page_size=4, record_property=record_property,
               max_prefill_tokens=LONG_PREFILL_CHUNK)
+
+
+@pytest.mark.specgate_requires("graph_runner")
+def test_invariants_with_graph_runner_across_key_widths(sg: SuiteContext,
+                                                         record_property) -> None:
+    """Once with the backend's graph runner on (executor ``replay``) in a run without
+    ``--graphs``: requests that decode across key widths (as the lossless tier's graphed
+    check) with a few short ones, in pages of 4, in a pool that forces them to retract and
+    re-prefill, so graphed steps run either side of a width under pressure. Not applicable
+    under ``--graphs`` (every check replays then). Requires: graph_runner."""
+    graphed = with_graph_runner(sg)
+    rng = random.Random(7)
+    short = list(_short_mix(sg, rng).items())[:4]
+    _load_mix(graphed, {**key_width_requests(sg), **dict(short)}, rng, abort_fraction=0.0,
+              page_size=4, record_property=record_property)

@@ -27,6 +27,8 @@ from typing import Literal
 from conformance.backends.mutants.graph import (
     BonusTokensNotRestaged,
     ExtendPaddingNotRestaged,
+    KeyWidthFromFirstRequest,
+    KeyWidthIgnoresNewTokens,
     StalePaddedRows,
 )
 from conformance.backends.mutants.lifecycle import (
@@ -141,6 +143,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            spec="eagle",
            graphs="replay",
            killed_by="test_golden.py::test_acceptance_matches_golden[chain-s3-n4]"),
+    Mutant("key_width_ignores_new_tokens", KeyWidthIgnoresNewTokens, graphs="replay",
+           killed_by="test_graph.py::test_graph_matches_eager_either_side_of_every_key_width"),
+    Mutant("key_width_from_first_request", KeyWidthFromFirstRequest, graphs="replay",
+           killed_by="test_lossless.py::test_graph_runner_across_key_widths"),
     Mutant("seed_ignored", SeedIgnored,
            killed_by="test_reproducibility.py::test_seed_fixes_the_stream_whatever_the_batch"),
     Mutant("seed_by_batch_row", SeedByBatchRow,

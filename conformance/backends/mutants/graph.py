@@ -1,16 +1,20 @@
 """Graph-runner mutants: padded rows that keep an earlier replay's values, draft-loop
-buffers staged only at capture."""
+buffers staged only at capture, key widths chosen for the cached prefix alone or for the
+first request."""
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import torch
 
 from refengine import Engine
 from refengine.graph.draft_loop import DraftLoopGraph, LoopStaging
-from refengine.graph.runner import GraphRunner
+from refengine.graph.executors import GraphKey
+from refengine.graph.runner import GraphBatch, GraphRunner
 from refengine.graph.staging import DUMMY_SLOT, StagedViews, Staging, StepInputs
+from refengine.model.llama import ForwardBatch
 
 # --- graph runner -------------------------------------------------------------------------------
 
@@ -36,6 +40,53 @@ class StalePaddedRows(Engine):
     """
 
     graph_runner_class = _StalePaddedRowsGraphRunner
+
+
+def _on_width_for(runner: GraphRunner, key: GraphKey, length: int) -> GraphKey:
+    """``key`` on the smallest of ``runner``'s key widths that holds ``length`` columns."""
+    return key._replace(max_kv=runner.kv_sizes[bisect.bisect_left(runner.kv_sizes, length)])
+
+
+class _PrefixWidthGraphRunner(GraphRunner):
+    def graph_key(self, batch: ForwardBatch) -> GraphKey | None:
+        key = super().graph_key(batch)  # a key only for a GraphBatch with its lengths
+        if key is None:
+            return None
+        assert isinstance(batch, GraphBatch) and batch.seq_lens is not None
+        # BUG: the width must hold the forward's new tokens too, not just the cached prefix
+        return _on_width_for(self, key, int(batch.seq_lens.max()) - self.kinds[key.kind])
+
+
+class KeyWidthIgnoresNewTokens(Engine):
+    """Key width ignores the new tokens: a graph runner picks each replay's key width (the
+    key columns every request's attention gathers) by the longest cached prefix, without the
+    forward's own new tokens (the decode token, the verify block), so a step whose prefix fits
+    a width but whose new tokens cross it replays one width too narrow and drops the newest
+    keys. Below the first width, and everywhere without the graph runner, it is exact: only a
+    context that crosses a width boundary while decoding shows it (lengths 257, 513, ...).
+    """
+
+    graph_runner_class = _PrefixWidthGraphRunner
+
+
+class _FirstRequestWidthGraphRunner(GraphRunner):
+    def graph_key(self, batch: ForwardBatch) -> GraphKey | None:
+        key = super().graph_key(batch)
+        if key is None:
+            return None
+        assert isinstance(batch, GraphBatch) and batch.seq_lens is not None
+        return _on_width_for(self, key, int(batch.seq_lens[0]))  # BUG: not the longest's
+
+
+class KeyWidthFromFirstRequest(Engine):
+    """Key width from the first request: a graph runner picks each replay's key width by the
+    batch's first request, as if batches came sorted longest first, so a longer request later
+    in the batch attends over a width too narrow for it and loses every key past it. While
+    every context fits the smallest width, and everywhere without the graph runner, it is
+    exact: only a batch mixing requests either side of a width shows it.
+    """
+
+    graph_runner_class = _FirstRequestWidthGraphRunner
 
 
 class _CaptureTimeBonusTokens(LoopStaging):

@@ -41,6 +41,7 @@ class Prepared:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # static buffers (graph)
     padded_names: Mapping[str, str] = field(default_factory=dict)   # buffer -> protocol name
     batch: ForwardBatch | None = None   # a one-forward kind's batch (for white-box tests)
+    key_width: int | None = None        # the key width a graph run replays on
 
 
 class ProbeKind(Protocol):
@@ -57,6 +58,17 @@ class ProbeKind(Protocol):
 
     def length_fill(self, probe: ProbeWorld) -> int:
         """The length a padded row's length field must hold."""
+
+    def key_widths(self, probe: ProbeWorld) -> list[int]:
+        """The key widths the kind's graph chooses from, ascending."""
+
+    def past_committed(self, probe: ProbeWorld) -> int:
+        """Key columns past a request's committed end that the kind's attention spans (the
+        new token, the verify block, the draft's scratch): its key length is its committed
+        length plus these."""
+
+    def reach(self, probe: ProbeWorld) -> int:
+        """The most positions past a request's committed end the case allocates."""
 
     def prepare(self, probe: ProbeWorld, reqs: list[Req], seed: int, mode: Mode
                 ) -> Prepared:
@@ -128,6 +140,15 @@ class ForwardKind:
         assert isinstance(fill, int)
         return fill
 
+    def key_widths(self, probe: ProbeWorld) -> list[int]:
+        return probe.graph(self.staging).kv_sizes
+
+    def past_committed(self, probe: ProbeWorld) -> int:
+        return probe.graph(self.staging).kinds[self.staging]  # the new tokens
+
+    def reach(self, probe: ProbeWorld) -> int:
+        return self.past_committed(probe)
+
     def prepare(self, probe: ProbeWorld, reqs: list[Req], seed: int, mode: Mode
                 ) -> Prepared:
         if mode == "eager":
@@ -143,7 +164,8 @@ class ForwardKind:
                                "back to eager would prove nothing")
         assert isinstance(batch, GraphBatch)
         return Prepared(lambda: probe.collect(graph.forward(batch), batch), batch.out_slots,
-                        key.bucket, graph.staging[key.kind].buffers, PADDED_FIELDS, batch)
+                        key.bucket, graph.staging[key.kind].buffers, PADDED_FIELDS, batch,
+                        key.max_kv)
 
 
 @dataclass(frozen=True)
@@ -165,6 +187,20 @@ class DraftLoopKind:
 
     def length_fill(self, probe: ProbeWorld) -> int:
         return self.length_fill_value
+
+    def key_widths(self, probe: ProbeWorld) -> list[int]:
+        loop = probe.draft_loop()
+        assert loop is not None
+        return loop.kv_sizes
+
+    def past_committed(self, probe: ProbeWorld) -> int:
+        """EAGLE's scratch lies past the root (the committed end); MTP reads the prefix only."""
+        loop = probe.draft_loop()
+        assert loop is not None
+        return loop.topk * (loop.steps - 1) if self.loop_kind == "draft:eagle" else 0
+
+    def reach(self, probe: ProbeWorld) -> int:
+        return draft_reach(probe)
 
     def inputs(self, probe: ProbeWorld, reqs: list[Req], seed: int
                ) -> DraftInput | SeedInput:
@@ -193,7 +229,7 @@ class DraftLoopKind:
         if mode == "eager":
             return Prepared(lambda: loop_outputs(worker.eager_search(reqs, draft_input)), targets,
                             len(reqs))
-        key = loop.key(len(reqs), torch.tensor([r.kv_committed_len for r in reqs]))
+        key = loop.key(len(reqs), torch.tensor(worker.roots(reqs), dtype=torch.int64))
         if key is None:
             raise RuntimeError(f"graph probe: {len(reqs)} requests do not replay on the "
                                f"{self.loop_kind!r} loop; a graph run that fell back to "
@@ -204,7 +240,8 @@ class DraftLoopKind:
             assert found is not None
             return loop_outputs(found)
 
-        return Prepared(execute, targets, key[0], loop.staging.buffers, self.padded_names)
+        return Prepared(execute, targets, key[0], loop.staging.buffers, self.padded_names,
+                        key_width=key[1])
 
 
 @dataclass(frozen=True)
@@ -222,6 +259,17 @@ class DraftExtendKind:
 
     def length_fill(self, probe: ProbeWorld) -> int:
         return 1
+
+    def key_widths(self, probe: ProbeWorld) -> list[int]:
+        graph = probe.draft_extend()
+        assert graph is not None
+        return graph.kv_sizes
+
+    def past_committed(self, probe: ProbeWorld) -> int:
+        return 0  # the accepted tokens end at the root, the committed end
+
+    def reach(self, probe: ProbeWorld) -> int:
+        return draft_reach(probe)
 
     def prepare(self, probe: ProbeWorld, reqs: list[Req], seed: int, mode: Mode
                 ) -> Prepared:
@@ -252,7 +300,16 @@ class DraftExtendKind:
             assert found is not None
             return extend_outputs(found)
 
-        return Prepared(execute, targets, key[0], graph.staging.buffers, self.padded_names)
+        return Prepared(execute, targets, key[0], graph.staging.buffers, self.padded_names,
+                        key_width=key[1])
+
+
+def draft_reach(probe: ProbeWorld) -> int:
+    """A draft kind's allocation past the committed end: the worker's decode reservation
+    (rounded up to a whole page where it is page-aligned)."""
+    assert probe.worker is not None
+    reservation = probe.worker.reservation
+    return reservation.reach + (probe.kv.page_size - 1 if reservation.page_aligned else 0)
 
 
 def extend_outputs(found: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:

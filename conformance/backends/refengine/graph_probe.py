@@ -7,7 +7,9 @@ padding) or through a ``GraphRunner`` (stage, pad to the bucket, execute, slice)
 what a suite needs to compare the two from outside: the real rows' outputs, digests of every
 piece of engine state the real rows do not own, the addresses of the static buffers, and what
 staging left in the padded rows. The properties themselves (graph == eager, poisoned padding
-changes nothing, no history dependence, ...) are checked by the suite, not here.
+changes nothing, no history dependence, ...) are checked by the suite, not here. The probe
+also lists each kind's key widths (``KeyWidthProbe``) and runs a case at a given context
+length, reporting the width its graph run replayed on.
 
 Why runs are comparable: ``graph_world.py`` (every run starts from its seed's world and rolls
 back to it). The kinds are the table in ``graph_kinds.py``.
@@ -82,6 +84,17 @@ class RefGraphProbe(ProbeWorld):
     def kinds(self) -> tuple[str, ...]:
         return tuple(name for name, kind in KINDS.items() if kind.available(self))
 
+    def key_widths(self, kind: str) -> tuple[int, ...]:
+        return tuple(self._kind(kind).key_widths(self))
+
+    def max_context(self, kind: str) -> int:
+        """The widest key width, and a committed prefix the model can reach (one short of its
+        context limit) whose allocation past it fits the row table."""
+        k = self._kind(kind)
+        past = k.past_committed(self)
+        committed = min(self.context_limit - 1, self.kv.rows.max_context_len - k.reach(self))
+        return min(self.key_widths(kind)[-1], committed + past)
+
     def padding_policy(self, kind: str) -> PaddingPolicy:
         return PaddingPolicy(DUMMY_ROW, DUMMY_SLOT, self.vocab_size,
                              self._kind(kind).length_fill(self), self.max_position)
@@ -109,7 +122,8 @@ class RefGraphProbe(ProbeWorld):
             return GraphRun(case, mode, prep.bucket, outputs, initial, state,
                             self.pointers(prep.buffers) if mode == "graph" else {},
                             {prep.padded_names[name]: buf[case.raw:prep.bucket].clone()
-                             for name, buf in prep.buffers.items() if name in prep.padded_names})
+                             for name, buf in prep.buffers.items() if name in prep.padded_names},
+                            prep.key_width if mode == "graph" else None)
 
     def _kind(self, kind: str) -> ProbeKind:
         if kind not in self.kinds():
@@ -118,9 +132,17 @@ class RefGraphProbe(ProbeWorld):
 
     @contextmanager
     def prepared(self, case: GraphCase, mode: Mode) -> Iterator[Prepared]:
-        """``case`` built in ``mode`` on a fresh copy of its world, not yet executed."""
+        """``case`` built in ``mode`` on a fresh copy of its world, not yet executed (a
+        ``context``: the last request's committed prefix is that less the kind's columns
+        past it)."""
         kind = self._kind(case.kind)
-        with self.requests(case.raw, case.seed) as reqs, self._drafting(kind, reqs):
+        committed = None
+        if case.context is not None:
+            top = self.max_context(case.kind)
+            if not case.context <= top:
+                raise ValueError(f"context: at most {top} for {case.kind!r}, got {case.context}")
+            committed = case.context - kind.past_committed(self)
+        with self.requests(case.raw, case.seed, committed) as reqs, self._drafting(kind, reqs):
             yield kind.prepare(self, reqs, case.seed, mode)
 
     def _drafting(self, kind: ProbeKind, reqs: list[Req]) -> AbstractContextManager[None]:
@@ -136,12 +158,24 @@ class RefGraphProbe(ProbeWorld):
     def digests(self, targets: torch.Tensor, kind: str) -> dict[str, str]:
         """"kv": every KV pool outside ``targets`` and the dummy page; "request_rows": the row
         table; "allocator": the free page list and the free row count."""
-        keep = torch.ones(self.kv.target_pool.k.shape[1], dtype=torch.bool)
-        keep[:self.kv.page_size] = False
+        skip = torch.arange(self.kv.page_size)
         if self.writes_kv(kind):
-            keep[targets] = False
+            skip = torch.cat([skip, targets.reshape(-1)])
         alloc = self.kv.allocator.backup_state()
-        return {"kv": digest(*(p[:, keep] for p in self._pools())),
+        return {"kv": self._pool_digest(skip),
                 "request_rows": digest(self.kv.rows.table),
                 "allocator": digest(repr(alloc.free_pages), alloc.is_free,
                                     str(self.kv.rows.free_rows))}
+
+    def _pool_digest(self, skip: torch.Tensor) -> str:
+        """The digest of every pool with the ``skip`` slots zeroed: hashed in place (no copy
+        of the pools) and then put back exactly."""
+        pools = self._pools()
+        saved = [p[:, skip].clone() for p in pools]
+        try:
+            for p in pools:
+                p[:, skip] = 0
+            return digest(*pools)
+        finally:
+            for p, s in zip(pools, saved, strict=True):
+                p[:, skip] = s

@@ -6,6 +6,12 @@ every run starts from that world's snapshot (pool, row table) and rolls its own 
 back (checked: the allocator must be exactly where it was). So the eager and the graph run of
 one case see the same slots, rows and bytes, while the graph runner (static buffers, captured
 or compiled keys) persists across runs: that is what makes history dependence observable.
+
+A case with a context length stretches the case's last request for the run (so the longest
+request is not the batch's first): its committed prefix grows to that length over slots that
+hold the world's seeded noise (a prefill over thousands of positions would cost seconds per
+case; eager and graph read the same bytes either way), and shrinks back with the run's own
+allocations.
 """
 
 from __future__ import annotations
@@ -66,7 +72,8 @@ def digest(*parts: torch.Tensor | bytes | str) -> str:
     for part in parts:
         if isinstance(part, torch.Tensor):
             h.update(str((part.dtype, tuple(part.shape))).encode())
-            h.update(part.detach().cpu().contiguous().numpy().tobytes())
+            # Its bytes in place (no copy), whatever the dtype (numpy has no bfloat16).
+            h.update(part.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         else:
             h.update(part.encode() if isinstance(part, str) else part)
     return h.hexdigest()
@@ -92,6 +99,7 @@ class ProbeWorld:
         cfg = runner.target.config
         self.vocab_size = cfg.vocab_size
         self.max_position = int(runner.target.rotary.cos.shape[0])  # rotary table rows
+        self.context_limit = cfg.max_position_embeddings
         kv = self.kv
         if kv.rows.free_rows != kv.rows.usable_rows or \
                 kv.allocator.free_page_count != kv.allocator.num_pages - 1:
@@ -139,21 +147,33 @@ class ProbeWorld:
     # --- worlds and runs ----------------------------------------------------------------------
 
     @contextmanager
-    def requests(self, raw: int, seed: int = 0) -> Iterator[list[Req]]:
+    def requests(self, raw: int, seed: int = 0, committed: int | None = None
+                 ) -> Iterator[list[Req]]:
         """The first ``raw`` requests of ``seed``'s world, on a fresh copy of it (pool, row
-        table); afterwards what they allocated is rolled back (checked) and the copy
-        restored. Every batch built on them must allocate in request order (as the runner's
-        ``prepare_*`` do), so rolling back in reverse order restores the free list exactly."""
+        table); ``committed``: the last of them stretched to that many committed positions
+        (at least every one's prompt: it is then the longest).
+        Afterwards what they allocated is rolled back (checked) and the copy restored. Every
+        batch built on them must allocate in request order (as the runner's ``prepare_*`` do),
+        so rolling back in reverse order restores the free list exactly."""
         if not 1 <= raw <= self.max_batch():
             raise ValueError(f"raw: 1..{self.max_batch()}, got {raw}")
         world = self.world(seed)
         self._restore(world)
         reqs = world.reqs[:raw]
+        last, prefilled = reqs[-1], reqs[-1].kv_committed_len
         try:
+            if committed is not None:
+                longest = max(r.kv_committed_len for r in reqs)
+                if committed < longest:
+                    raise ValueError(f"committed: at least the longest prompt's {longest} "
+                                     f"positions, got {committed}")
+                self.kv.extend(last, committed - prefilled)  # slots with the world's noise
+                self.kv.commit(last, committed - prefilled)
             yield reqs
         finally:
             for r in reversed(reqs):
                 self.kv.truncate(r, r.kv_committed_len)
+            self.kv.truncate(last, prefilled)
             self._check_rolled_back(world)
             self._restore(world)
 
