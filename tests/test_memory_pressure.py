@@ -1,6 +1,7 @@
 """The memory tier under pressure: the configuration it picks (the largest per-step KV need),
 what counts as pressure (retracting or queueing, both conforming), a backend that queues
-instead of retracting passes, and a pool too big for pressure and a leak fail."""
+instead of retracting passes, and a pool too big for pressure, a leak, a room check without
+the draft scratch and a length check short of the context limit all fail."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from conformance.run.pressure import PressureWitness, step_kv_need, widest_confi
 from conformance.run.specs import SPECS, config_id
 
 pytest_plugins = ["pytester"]
+
+PRESSURE = "test_memory.py::test_invariants_under_pressure"
+TO_LIMIT = "test_memory.py::test_invariants_past_context_boundary"
 
 
 class IgnoresPoolSize(RefEngineBackend):
@@ -94,3 +98,14 @@ def test_a_leak_still_fails_under_pressure(pytester: pytest.Pytester,
                                  "-k", "test_invariants_under_pressure")
     assert checks and {c["outcome"] for c in checks.values()} == {"failed"}, checks
     assert all("M1 conservation" in c["message"] for c in checks.values()), checks
+
+
+@pytest.mark.parametrize(("mutant", "spec", "check"), [
+    ("room_counts_verify_block_only", "eagle-tree", f"{PRESSURE}[tree-s5-k8-n16-1]"),
+    ("ends_short_of_context_limit", "none", f"{TO_LIMIT}[plain-ctx2048]")])
+def test_zoo_twins_are_killed_by_the_gate(pytester: pytest.Pytester, mutant: str, spec: str,
+                                          check: str) -> None:
+    checks, _ = _memory_outcomes(pytester, f"mutant:{mutant}", Path("tiny-code"),
+                                 "--specgate-spec", spec, "-p", "conformance.run.only",
+                                 "--specgate-only", check)
+    assert [(k, c["outcome"]) for k, c in checks.items()] == [(check, "failed")], checks

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from conformance.backends.mutants.context_limit import EndsShortOfContextLimit
 from conformance.backends.mutants.graph import (
     BonusTokensNotRestaged,
     ExtendPaddingNotRestaged,
@@ -40,6 +41,7 @@ from conformance.backends.mutants.memory import (
     AbortStaysRunning,
     LeakOnFinish,
     RetractStaleCommitted,
+    RoomCountsVerifyBlockOnly,
 )
 from conformance.backends.mutants.overlap import (
     AbortLeaksReservation,
@@ -119,6 +121,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("draft_catch_up_skipped", DraftCatchUpSkipped, spec="draft-model"),
     Mutant("verify_ignores_top_p", VerifyIgnoresTopP, spec="eagle"),
     Mutant("verify_temperature_misapplied", VerifyTemperatureMisapplied, spec="eagle"),
+    Mutant("room_counts_verify_block_only", RoomCountsVerifyBlockOnly, spec="eagle-tree",
+           killed_by="test_memory.py::test_invariants_under_pressure[tree-s5-k8-n16-1]"),
+    Mutant("ends_short_of_context_limit", EndsShortOfContextLimit,
+           killed_by="test_memory.py::test_invariants_past_context_boundary[plain-ctx2048]"),
 ]}
 
 
