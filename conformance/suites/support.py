@@ -22,6 +22,9 @@ from conformance.run.specs import config_id
 PAGE_SIZES = [1, pytest.param(4, marks=pytest.mark.specgate_requires("memory_view"))]
 
 LONG_PREFILL_CHUNK = 96  # max_prefill_tokens for long requests: some chunk straddles each boundary
+# The longest context limit ``reach_limit`` runs a request to (a model with a longer one would
+# prefill its whole context; the full profile's boundaries stop there too).
+REACH_LIMIT_MAX = 2048
 
 
 def parametrize_context_boundaries(metafunc: pytest.Metafunc, reach_limit: bool = False
@@ -29,12 +32,12 @@ def parametrize_context_boundaries(metafunc: pytest.Metafunc, reach_limit: bool 
     """For a suite module's ``pytest_generate_tests``: one case per context length of the
     profile (``boundary`` argument) the model can reach; those at or past its context limit
     collapse into one case at the limit. ``reach_limit``: a case at the limit whatever the
-    profile's lengths."""
+    profile's lengths, for a limit up to ``REACH_LIMIT_MAX``."""
     if "boundary" in metafunc.fixturenames:
         sg = context(metafunc.config)
         limit = context_limit(sg.model)
         lengths = sorted({min(b, limit) for b in sg.profile.context_boundaries}
-                         | ({limit} if reach_limit else set()))
+                         | ({limit} if reach_limit and limit <= REACH_LIMIT_MAX else set()))
         metafunc.parametrize("boundary", lengths, ids=[f"ctx{n}" for n in lengths])
 
 

@@ -2,9 +2,9 @@
 KV pool small enough to put the backend under pressure (it retracts, or it queues requests the
 pool cannot hold: ``conformance.run.pressure``), with short prompts, with contexts past the
 profile's boundaries and, in every profile, with a request that runs to the model's context
-limit; outputs stay exactly the reference's (near-ties aside, as in the lossless tier). Each
-check opens every configuration of the spec, or under the gate the one with the largest
-per-step KV need.
+limit (a limit up to ``support.REACH_LIMIT_MAX``); outputs stay exactly the reference's
+(near-ties aside, as in the lossless tier). Each check opens every configuration of the spec,
+or under the gate the one with the largest per-step KV need.
 
 Every check requires stepwise and memory_view (and the spec's algorithm); further requirements
 are in each check's docstring.
