@@ -70,6 +70,11 @@ class Scheduler:
         ``tokens`` slots for ``req`` while the bracket lasts, yielded as the slots."""
         return self.kv.scoring(req, tokens)
 
+    def top_up(self, req: Req) -> int:
+        """Positions ``req``'s allocation must grow by to hold its next decode reservation: the
+        room prefill leaves free and the decode step finds (or retracts for)."""
+        return self.kv.top_up(req, self.reservation)
+
     def schedule(self) -> ScheduledBatch | None:
         return self._schedule_prefill() or self._schedule_decode()
 
@@ -78,8 +83,8 @@ class Scheduler:
         reqs: list[Req] = []
         lens: list[int] = []
         # Pages the decoding requests' next reservations need: prefill leaves them free.
-        top_up_pages = sum(self.kv.pages_needed(r, self.kv.top_up(r, self.reservation))
-                        for r in self.running if r.status is ReqStatus.DECODE)
+        top_up_pages = sum(self.kv.pages_needed(r, self.top_up(r))
+                           for r in self.running if r.status is ReqStatus.DECODE)
         chunked = [r for r in self.running if r.status is ReqStatus.PREFILL]
         candidates = chunked + list(self.waiting)
         for req in candidates:
@@ -119,8 +124,7 @@ class Scheduler:
             decoding = [r for r in self.running if r.status is ReqStatus.DECODE]
             if not decoding:
                 return ScheduledBatch("decode", [], [], retracted) if retracted else None
-            if self.kv.can_extend([(r, self.kv.top_up(r, self.reservation))
-                                   for r in decoding]):
+            if self.kv.can_extend([(r, self.top_up(r)) for r in decoding]):
                 for r in decoding:
                     self.kv.reserve(r, self.reservation)
                 claimed = decoding if self.reservation.preclaim_root else []

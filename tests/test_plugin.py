@@ -92,7 +92,7 @@ def test_gating_marks_unclaimed_checks(pytester: pytest.Pytester,
     res.stdout.fnmatch_lines(["*specgate: backend tests.test_plugin:run_to_completion*"])
     outcomes = {c["nodeid"].split("::")[1]: c["outcome"] for c in results["checks"]}
     assert outcomes["test_abort[queued]"] == "not claimed"
-    assert outcomes["test_invariants_under_pressure[1]"] == "not claimed"
+    assert outcomes["test_invariants_under_pressure[plain-1]"] == "not claimed"
     assert outcomes["test_max_new_tokens[1]"] == "passed"
     assert res.ret == pytest.ExitCode.OK
 

@@ -30,6 +30,7 @@ from conformance.contract import (
     EngineHandle,
     Event,
     FinishEvent,
+    MemoryView,
     OpenConfig,
     Request,
     RetractEvent,
@@ -86,6 +87,7 @@ class Driver:
     #                                                                        full prompt)
     config: OpenConfig | None = None  # what the handle was opened with (for the repro)
     actions: list[Action] = field(default_factory=list)  # every call, in order
+    view: MemoryView | None = None  # the memory view after the last step (memory_view)
 
     def _log(self, action: Action) -> None:
         """Note an action before making it (a call that raises is in the repro); consecutive
@@ -148,6 +150,7 @@ class Driver:
         if self.caps.memory_view:
             with self._calling(f"handle.memory() after step {self.steps}"):
                 view = self.handle.memory()
+            self.view = view
             if self.live:
                 check_busy(view, self.prompt_lens,
                            {r: len(t) for r, t in self.streamed.items()}, where, self.overlap)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -17,11 +18,14 @@ class Profile:
     context_boundaries: tuple[int, ...]
     fuzz_examples: int  # the fuzz tier's state-machine examples per spec
     fuzz_shrink_seconds: float  # how long it may shrink a failure (inside the case timeout)
+    # The configurations the memory tier's pressure runs open: every one of the spec, or only
+    # the one with the largest per-step KV need (``conformance.run.pressure``).
+    pressure_configs: Literal["all", "widest"]
 
 
 PROFILES = {
     "gate": Profile("gate", "small", 32, (512,), fuzz_examples=5,
-                    fuzz_shrink_seconds=90),
+                    fuzz_shrink_seconds=90, pressure_configs="widest"),
     "full": Profile("full", "default", 64, (512, 1024, 2048), fuzz_examples=100,
-                    fuzz_shrink_seconds=300),
+                    fuzz_shrink_seconds=300, pressure_configs="all"),
 }

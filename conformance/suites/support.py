@@ -13,6 +13,7 @@ from conformance.checks.oracle import NEAR_TIE_EPSILON
 from conformance.contract import SamplingParams, SpecConfig
 from conformance.run.driver import Driver, Outcome, backend_call, step_budget
 from conformance.run.plugin import SuiteContext, context
+from conformance.run.pressure import widest_config
 from conformance.run.requests import BOUNDARY_LEAD, context_limit, requests_across
 from conformance.run.requests import greedy as greedy  # the tiers' spelling: support.greedy
 from conformance.run.specs import config_id
@@ -23,19 +24,25 @@ from refengine.data import fixture_names
 PAGE_SIZES = [1, pytest.param(4, marks=pytest.mark.specgate_requires("memory_view"))]
 
 LONG_PREFILL_CHUNK = 96  # max_prefill_tokens for long requests: some chunk straddles each boundary
+# The longest context limit ``reach_limit`` runs a request to (a model with a longer one would
+# prefill its whole context; the full profile's boundaries stop there too).
+REACH_LIMIT_MAX = 2048
 
 KEY_WIDTH_PAST = 4  # tokens a graphed check's request decodes past a boundary
 GRAPH_CHECK_EXECUTOR = "replay"  # no compile time, and the same key selection as compiled
 
 
-def parametrize_context_boundaries(metafunc: pytest.Metafunc) -> None:
+def parametrize_context_boundaries(metafunc: pytest.Metafunc, reach_limit: bool = False
+                                   ) -> None:
     """For a suite module's ``pytest_generate_tests``: one case per context length of the
     profile (``boundary`` argument) the model can reach; those at or past its context limit
-    collapse into one case at the limit."""
+    collapse into one case at the limit. ``reach_limit``: a case at the limit whatever the
+    profile's lengths, for a limit up to ``REACH_LIMIT_MAX``."""
     if "boundary" in metafunc.fixturenames:
         sg = context(metafunc.config)
         limit = context_limit(sg.model)
-        lengths = sorted({min(b, limit) for b in sg.profile.context_boundaries})
+        lengths = sorted({min(b, limit) for b in sg.profile.context_boundaries}
+                         | ({limit} if reach_limit and limit <= REACH_LIMIT_MAX else set()))
         metafunc.parametrize("boundary", lengths, ids=[f"ctx{n}" for n in lengths])
 
 
@@ -95,6 +102,19 @@ def parametrize_spec_configs(metafunc: pytest.Metafunc) -> None:
     being certified (``spec_config`` argument)."""
     if "spec_config" in metafunc.fixturenames:
         configs = context(metafunc.config).spec.configs
+        metafunc.parametrize("spec_config", configs, ids=[config_id(c) for c in configs])
+
+
+def parametrize_pressure_configs(metafunc: pytest.Metafunc) -> None:
+    """For a suite module's ``pytest_generate_tests``: the ``spec_config`` argument of checks
+    that put a backend's KV pool under pressure: every configuration of the spec, or under a
+    profile that says so (the gate) only the one with the largest per-step KV need
+    (``conformance.run.pressure.step_kv_need``)."""
+    if "spec_config" in metafunc.fixturenames:
+        sg = context(metafunc.config)
+        configs = sg.spec.configs
+        if sg.profile.pressure_configs == "widest":
+            configs = (widest_config(configs),)
         metafunc.parametrize("spec_config", configs, ids=[config_id(c) for c in configs])
 
 

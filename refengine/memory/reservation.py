@@ -6,9 +6,10 @@ commits what the step kept and, in a sequential step, frees the rest.
 
 One name per quantity:
 
-* ``reach``: positions past the committed end a decode step may write (1 for plain decoding;
-  the verify block or the draft scratch, whichever is longer, for a sequential speculative
-  step; ``1 + 2L`` under overlap scheduling);
+* ``reach``: positions past the committed end a decode step may write: its ``block`` (1 for
+  plain decoding, the verify block for a sequential speculative step, ``1 + 2L`` under overlap
+  scheduling) or a drafter's ``scratch`` (a sequential step's draft KV past the root),
+  whichever is longer;
 * the *top-up* (``KVManager.top_up``): positions a request's allocation must still grow by to
   hold its reservation, what the scheduler finds room for or retracts;
 * ``reserve_bound`` (``MemoryView``): the most a request may hold past its committed end
@@ -24,12 +25,17 @@ from refengine.memory.view import ceil_page
 
 @dataclass(frozen=True)
 class DecodeReservation:
-    reach: int
+    block: int
+    scratch: int = 0
     # Overlap scheduling keeps the reservation between steps and tops it up in whole pages;
     # its root's slot is committed at schedule time (every verify commits the root), so a
     # step launched before the previous one is resolved never allocates.
     page_aligned: bool = False
     preclaim_root: bool = False
+
+    @property
+    def reach(self) -> int:
+        return max(self.block, self.scratch)
 
     def end(self, committed: int, page_size: int) -> int:
         """The allocation a request with ``committed`` positions holds for its next step."""

@@ -67,8 +67,7 @@ class SpeculativeWorker:
     def reservation(self) -> DecodeReservation:
         """A sequential step writes the verify block or the draft scratch past each root,
         whichever is longer; an overlap step holds the mode's reservation."""
-        reach = max(self.spec.num_draft_tokens, self.drafter.scratch_positions)
-        return self.mode.reservation(reach)
+        return self.mode.reservation(self.spec.num_draft_tokens, self.drafter.scratch_positions)
 
     @property
     def reserve_bound(self) -> int:

@@ -46,8 +46,8 @@ class Sequential:
     overlap = False
     reserve_bound = 0  # resolve frees everything past the accepted run
 
-    def reservation(self, reach: int) -> DecodeReservation:
-        return DecodeReservation(reach)
+    def reservation(self, block: int, scratch: int) -> DecodeReservation:
+        return DecodeReservation(block, scratch)
 
     def roots(self, reqs: list[Req]) -> list[int]:
         """Each root sits at its request's committed end (resolve ran before this step)."""
@@ -84,7 +84,7 @@ class Overlap:
     def reserve_bound(self) -> int:
         return self.window + self.kv.page_size - 1
 
-    def reservation(self, reach: int) -> DecodeReservation:
+    def reservation(self, block: int, scratch: int) -> DecodeReservation:
         return DecodeReservation(1 + self.window, page_aligned=True, preclaim_root=True)
 
     def roots(self, reqs: list[Req]) -> list[int]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from conformance.backends.mutants.context_limit import EndsShortOfContextLimit
 from conformance.backends.mutants.graph import (
     BonusTokensNotRestaged,
     ExtendPaddingNotRestaged,
@@ -42,6 +43,7 @@ from conformance.backends.mutants.memory import (
     AbortStaysRunning,
     LeakOnFinish,
     RetractStaleCommitted,
+    RoomCountsVerifyBlockOnly,
 )
 from conformance.backends.mutants.overlap import (
     AbortLeaksReservation,
@@ -93,7 +95,7 @@ class Mutant:
 
 MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("leak_on_finish", LeakOnFinish,
-           killed_by="test_memory.py::test_invariants_under_pressure[1]"),
+           killed_by="test_memory.py::test_invariants_under_pressure[plain-1]"),
     Mutant("abort_leaks_row", AbortLeaksRow, killed_by="test_lifecycle.py::test_abort[decoding]"),
     Mutant("abort_stays_running", AbortStaysRunning,
            killed_by="test_lifecycle.py::test_abort_frees_the_only_running_slot"),
@@ -114,7 +116,8 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("draft_extend_phase_confusion", DraftExtendPhaseConfusion,
            spec="eagle", killed_by="test_golden.py::test_acceptance_matches_golden[chain-s3-n4]"),
     Mutant("rejected_slots_kept_paged", RejectedSlotsKeptPaged,
-           spec="eagle", killed_by="test_memory.py::test_invariants_under_pressure[4]"),
+           spec="eagle",
+           killed_by="test_memory.py::test_invariants_under_pressure[chain-s5-n6-4]"),
     Mutant("stop_inside_run_ignored", StopInsideRunIgnored,
            spec="eagle", killed_by="test_lifecycle.py::test_stop_token_at_every_offset"),
     Mutant("retract_filter_positional", RetractFilterPositional,
@@ -172,6 +175,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            killed_by="test_sessions.py::test_turns_ending_by_stop"),
     Mutant("stop_run_not_compacted", StopRunNotCompacted, spec="eagle-tree",
            killed_by="test_sessions.py::test_turns_ending_by_stop"),
+    Mutant("room_counts_verify_block_only", RoomCountsVerifyBlockOnly, spec="eagle-tree",
+           killed_by="test_memory.py::test_invariants_under_pressure[tree-s5-k8-n16-1]"),
+    Mutant("ends_short_of_context_limit", EndsShortOfContextLimit,
+           killed_by="test_memory.py::test_invariants_past_context_boundary[plain-ctx2048]"),
 ]}
 
 

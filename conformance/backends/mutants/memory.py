@@ -1,7 +1,10 @@
 """Mutants of KV and request-row bookkeeping: leaks on finish and abort, a request that stays
-running after abort, stale committed lengths after retraction."""
+running after abort, stale committed lengths after retraction, a decode step's room counted
+without the draft scratch."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from refengine import Engine
 from refengine.memory.manager import KVManager
@@ -67,3 +70,18 @@ class RetractStaleCommitted(Engine):
     """Retraction frees the KV but leaves the committed length behind."""
 
     kv_manager_class = _ReleaseKeepsCommitted
+
+
+class _RoomForVerifyBlockOnly(Scheduler):
+    def top_up(self, req: Req) -> int:
+        # BUG: the room is counted for the verify block alone; the draft scratch past it (when
+        # longer) is reserved all the same, from pages the room check never saw.
+        return self.kv.top_up(req, replace(self.reservation, scratch=0))
+
+
+class RoomCountsVerifyBlockOnly(Engine):
+    """The scheduler finds room for a decode step's verify block but not for the draft scratch
+    where that is longer (a tree whose levels hold more than its verify block): under pool
+    pressure it schedules a step the pool cannot hold."""
+
+    scheduler_class = _RoomForVerifyBlockOnly

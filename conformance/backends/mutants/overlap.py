@@ -51,7 +51,7 @@ class _NoPreClaim(KVManager):
             return
         # The same reservation end as the reference (committed + 1 + 2L, the root included),
         # but the root's slot is not pre-claimed: resolution commits the whole run instead.
-        super().reserve(req, replace(reservation, reach=reservation.reach - 1,
+        super().reserve(req, replace(reservation, block=reservation.block - 1,
                                      preclaim_root=False))
 
 
