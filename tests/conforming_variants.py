@@ -11,15 +11,23 @@ Named on the command line as ``--backend tests.conforming_variants:<factory>``:
 * ``run_to_completion``: one ``step()`` runs everything submitted to completion (not
   ``stepwise``; no abort, memory view, sessions or anything else that acts between steps);
 * ``no_memory_view``: stepwise, but keeps its KV accounting to itself (no ``memory_view``;
-  the pool and page size it is asked for are ignored).
+  the pool and page size it is asked for are ignored);
+* ``queueing``: meets memory pressure by queueing instead of retracting. It admits a waiting
+  request only when the KV pool can hold its whole run (prompt plus ``max_new_tokens`` and a
+  decode step's reservation) beside what the running requests may still grow to, so it never
+  retracts; it does not claim ``forced_retract``.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
 
 from conformance.backends.refengine import RefEngineBackend, RefEngineHandle
 from conformance.contract import Capabilities, Event, FinishEvent, MemoryView, OpenConfig, Request
+from refengine import Engine
+from refengine.request import Req
+from refengine.scheduler import ScheduledBatch, Scheduler
 
 # Larger than any prompt and any batch of them: every prompt is prefilled whole, in one step.
 UNLIMITED_PREFILL = 1 << 30
@@ -98,6 +106,56 @@ class RunToCompletionBackend(RefEngineBackend):
         return RunToCompletionHandle(super().open(cfg).engine)
 
 
+class QueueingScheduler(Scheduler):
+    """Admission by whole need, in queue order; a request alone in the engine is always
+    admitted (the engine refused any request whose run cannot fit the pool at all)."""
+
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.kv.page_size)
+
+    def _outstanding(self, req: Req) -> int:
+        """Pages ``req`` may still take: to its last position (``max_new_tokens`` on, within
+        the row width) plus a decode step's reservation, less the pages it owns."""
+        end = min(len(req.prompt_ids) + req.params.max_new_tokens, self.kv.rows.max_context_len)
+        return self._pages(end + self.reservation.reach) - self._pages(req.kv_allocated_len)
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        room = self.kv.allocator.free_page_count - sum(map(self._outstanding, self.running))
+        admissible = 0
+        for req in self.waiting:
+            need = self._outstanding(req)
+            if need > room and (self.running or admissible):
+                break
+            room -= need
+            admissible += 1
+        queue = list(self.waiting)
+        self.waiting = deque(queue[:admissible])
+        try:
+            return super()._schedule_prefill()
+        finally:
+            self.waiting.extend(queue[admissible:])
+
+    def _retract(self, victim: Req) -> Req:
+        raise RuntimeError(f"the queueing scheduler never retracts (asked to retract "
+                           f"{victim.rid!r}): its admission left too little room")
+
+
+class QueueingEngine(Engine):
+    scheduler_class = QueueingScheduler
+
+
+class QueueingBackend(RefEngineBackend):
+    name = "variant:queueing"
+    engine_class = QueueingEngine
+
+    def capabilities(self) -> Capabilities:
+        return replace(super().capabilities(), forced_retract=False)
+
+    def unclaimed_reasons(self) -> dict[str, str]:
+        return {"forced_retract": "it never retracts: it admits a request only when its whole "
+                                  "run fits"}
+
+
 def whole_prefill() -> WholePrefillBackend:
     return WholePrefillBackend()
 
@@ -108,6 +166,10 @@ def no_memory_view() -> NoMemoryViewBackend:
 
 def run_to_completion() -> RunToCompletionBackend:
     return RunToCompletionBackend()
+
+
+def queueing() -> QueueingBackend:
+    return QueueingBackend()
 
 
 class ClaimsChunkedPrefillWithout(WholePrefillBackend):

@@ -76,7 +76,7 @@ def _memory_outcomes(pytester: pytest.Pytester, backend: str, model: Path, *extr
 
 def test_a_backend_that_queues_instead_of_retracting_passes(pytester: pytest.Pytester,
                                                             random_model_dir: Path) -> None:
-    checks, ret = _memory_outcomes(pytester, "tests.variant_backends:queueing_backend",
+    checks, ret = _memory_outcomes(pytester, "tests.conforming_variants:queueing",
                                    random_model_dir, "-k", "test_memory and not aborts")
     assert ret == pytest.ExitCode.OK, {k: c["message"] for k, c in checks.items()}
     assert checks and {c["outcome"] for c in checks.values()} == {"passed"}, checks
