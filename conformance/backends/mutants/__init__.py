@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from conformance.backends.mutants.acceptance import DraftSkipsNonFinalChunks, SessionDropsDraftKV
 from conformance.backends.mutants.graph import (
     BonusTokensNotRestaged,
     ExtendPaddingNotRestaged,
@@ -119,6 +120,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("draft_catch_up_skipped", DraftCatchUpSkipped, spec="draft-model"),
     Mutant("verify_ignores_top_p", VerifyIgnoresTopP, spec="eagle"),
     Mutant("verify_temperature_misapplied", VerifyTemperatureMisapplied, spec="eagle"),
+    Mutant("draft_skips_non_final_chunks", DraftSkipsNonFinalChunks, spec="eagle",
+           killed_by="test_golden.py::test_chunked_acceptance_matches_golden[chain-s3-n4]"),
+    Mutant("session_drops_draft_kv", SessionDropsDraftKV, spec="eagle",
+           killed_by="test_golden.py::test_session_acceptance_matches_golden[chain-s3-n4]"),
 ]}
 
 
