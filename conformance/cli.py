@@ -18,6 +18,7 @@ from typing import NoReturn
 
 from conformance.bench.command import cmd_bench
 from conformance.checks.commands import cmd_expected, cmd_golden
+from conformance.checks.golden_scenarios import SCENARIOS
 from conformance.report.durations import cmd_durations
 from conformance.report.merge import cmd_merge
 from conformance.repro.command import cmd_repro
@@ -128,7 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"{' | '.join(n for n in SPECS if n != 'none')} | all")
     gold.add_argument("--prompt-set", default="default", help="a set in fixtures/prompts")
     gold.add_argument("--max-new-tokens", type=_positive_int, default=128,
-                      help="tokens per request")
+                      help="tokens per request of the plain trace (the chunked and session "
+                           "traces: 32)")
+    gold.add_argument("--trace", action="append", choices=list(SCENARIOS), default=None,
+                      help="only this trace of each configuration (repeatable; default: all)")
     gold.add_argument("--model", default="tiny-code", help="fixture name or model directory")
     gold.set_defaults(func=cmd_golden)
 

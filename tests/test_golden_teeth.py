@@ -1,35 +1,44 @@
 """Lossless draft regressions the golden tier must catch through per-step acceptance, where a
 mean-tau tolerance alone lets them through (bug-zoo mutants ``draft_position_shift``,
-``tree_wrong_parent``, ``extend_padding_not_restaged``)."""
+``tree_wrong_parent``, ``extend_padding_not_restaged``), and drafters that miss part of what
+the target saw, which only the chunked and session traces show (``draft_skips_non_final_chunks``,
+``session_drops_draft_kv``: the plain trace passes them)."""
 
 from __future__ import annotations
 
+import pytest
+
 from conformance.backends.mutants import MUTANTS
 from conformance.checks import golden
+from conformance.checks.golden_scenarios import CHUNKED, PLAIN, SESSION_TURNS, Scenario
 from conformance.run.specs import SPECS
 from refengine import EngineConfig, SamplingParams
 
-TOKENS = 64  # the gate profile's golden length
+TOKENS = 64  # the gate profile's golden length of the plain trace (the others run whole)
 
 
-def golden_problems(mutant_name: str) -> list[str]:
-    """The mutant on its spec's first configuration over the whole golden set (checked to be
-    lossless), compared with the golden trace."""
+def golden_problems(mutant_name: str, scenario: Scenario = PLAIN) -> list[str]:
+    """The mutant on its spec's first configuration over the scenario's golden trace, run as
+    the golden tier runs it (checked to be lossless), compared with the trace."""
     mutant = MUTANTS[mutant_name]
     config = SPECS[mutant.spec].configs[0]
     assert config is not None
-    trace = golden.load(config, "default")
+    trace = golden.load(config, scenario.trace_name("default"))
+    tokens = TOKENS if scenario is PLAIN else int(trace.sampling["max_new_tokens"])
+    budget = ({} if trace.max_prefill_tokens is None
+              else {"max_prefill_tokens": trace.max_prefill_tokens})
     engine = mutant.engine_class(EngineConfig(model="tiny-code", spec=config,
                                               kv_pool_tokens=65536, max_running_requests=64,
                                               cuda_graph=mutant.graphs is not None,
-                                              graph_executor=mutant.graphs or "compiled"))
-    outs = engine.generate([r.prompt_ids for r in trace.requests],
-                           SamplingParams(max_new_tokens=TOKENS, temperature=0.0,
-                                          ignore_eos=True))
-    pairs = list(zip(trace.requests, outs, strict=True))
-    assert all(o.output_ids == r.output_ids[:TOKENS] for r, o in pairs), "the bug is lossless"
-    return golden.compare(trace, {r.id: o.output_ids for r, o in pairs},
-                          {r.id: o.accept_lens for r, o in pairs}, config.num_steps)
+                                              graph_executor=mutant.graphs or "compiled",
+                                              **budget))
+    done = golden.run_waves(engine, trace.requests,
+                            SamplingParams(max_new_tokens=tokens, temperature=0.0,
+                                           ignore_eos=True))
+    outputs = {r.id: list(done[r.id].output_ids) for r in trace.requests}
+    assert all(outputs[r.id] == r.output_ids[:tokens] for r in trace.requests), "lossless"
+    return golden.compare(trace, outputs, {r.id: list(done[r.id].accept_lens)
+                                           for r in trace.requests}, config.num_steps)
 
 
 def test_one_position_draft_shift_is_caught_although_mean_tau_is_within_tolerance() -> None:
@@ -48,3 +57,26 @@ def test_stale_extend_padding_is_lossless_but_caught_per_step() -> None:
     token is still the target's, the acceptance is not."""
     problems = golden_problems("extend_padding_not_restaged")
     assert any("verify step" in p for p in problems)
+
+
+def test_a_draft_that_skips_middle_chunks_is_caught_by_the_chunked_trace() -> None:
+    """The head's KV is written only in prefill steps that complete a prompt: a long prompt's
+    middle chunks leave holes the draft attends to."""
+    problems = golden_problems("draft_skips_non_final_chunks", CHUNKED)
+    assert any("verify step" in p for p in problems), problems
+
+
+def test_a_session_that_drops_the_draft_kv_is_caught_on_second_turns() -> None:
+    """The draft's KV of a session's context is lost between turns: only continuing turns
+    (``-t1-``) accept differently."""
+    problems = golden_problems("session_drops_draft_kv", SESSION_TURNS)
+    assert any("verify step" in p for p in problems), problems
+    assert all("-t1-" in p for p in problems if "verify step" in p), problems
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mutant", ["draft_skips_non_final_chunks", "session_drops_draft_kv"])
+def test_the_plain_trace_lets_the_chunk_and_session_drafters_through(mutant: str) -> None:
+    """Why the chunked and session traces exist: the plain trace's prompts never leave a
+    prefill step without a completed prompt, and open no session."""
+    assert golden_problems(mutant) == []

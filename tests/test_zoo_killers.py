@@ -28,8 +28,11 @@ REPRESENTATIVES = {
     "late_commit",                     # what a session keeps: sessions
     "stop_turn_ends_with_eos",         # a stop-ended turn's kept context: sessions endings
     "stale_padded_rows",               # graph padding: graph tier
+    "room_counts_verify_block_only",   # KV need of the widest configuration: memory tier
+    "ends_short_of_context_limit",     # the context limit: memory tier
     "key_width_from_first_request",    # graph key width: lossless with the graph runner on
     "draft_position_shift",            # lossless acceptance regression: golden
+    "draft_skips_non_final_chunks",    # a drafter that misses a chunk: golden chunked trace
     "seed_ignored",                    # seeds: reproducibility
     "verify_ignores_top_p",            # sampled law: distribution
     "greedy_argmax_bf16",              # a bug in code the oracle shares: committed outputs

@@ -31,6 +31,7 @@ def _golden_configs(spec: str) -> list[SpecConfig]:
 
 def cmd_golden(args: argparse.Namespace) -> int:
     from conformance.checks import golden
+    from conformance.checks.golden_scenarios import SCENARIOS
     from conformance.report.progress import Steps
     from conformance.run.prompts import load_prompt_set
     from conformance.run.specs import config_id
@@ -42,14 +43,19 @@ def cmd_golden(args: argparse.Namespace) -> int:
     except FileNotFoundError as err:
         raise UsageError(str(err)) from None
     failed = 0
-    with Steps(f"golden {args.action}", len(configs)) as steps:
-        for config in configs:
-            steps.start(f"{config_id(config)} on prompt set {args.prompt_set}")
-            trace = golden.record(config, args.prompt_set, args.model, args.max_new_tokens)
-            path = golden.golden_path(config, args.prompt_set)
+    scenarios = [SCENARIOS[name] for name in args.trace or SCENARIOS]
+    runs = [(config, scenario) for config in configs for scenario in scenarios]
+    with Steps(f"golden {args.action}", len(runs)) as steps:
+        for config, scenario in runs:
+            name = scenario.trace_name(args.prompt_set)
+            steps.start(f"{config_id(config)} on {name}")
+            trace = golden.record(config, args.prompt_set, args.model, args.max_new_tokens,
+                                  scenario)
+            path = golden.golden_path(config, name)
             s = trace.summary
-            line = (f"{config_id(config)}: mean tau {s['mean_tau']}, per-position acceptance "
-                    f"{s['per_position_acceptance']}, {s['verify_steps']} verify steps")
+            line = (f"{config_id(config)} {name}: mean tau {s['mean_tau']}, per-position "
+                    f"acceptance {s['per_position_acceptance']}, {s['verify_steps']} verify "
+                    "steps")
             if args.action == "record":
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(trace.to_json())
@@ -57,7 +63,7 @@ def cmd_golden(args: argparse.Namespace) -> int:
                 steps.done(f"written, mean tau {s['mean_tau']}")
                 continue
             if not path.exists():
-                print(f"{config_id(config)}: MISSING {path}", flush=True)
+                print(f"{config_id(config)} {name}: MISSING {path}", flush=True)
                 steps.done("MISSING")
                 failed += 1
                 continue

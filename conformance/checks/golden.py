@@ -1,10 +1,14 @@
 """Golden acceptance traces: record, load, compare.
 
-``golden/<config>/<prompt-set>.json`` holds, per request, the greedy output, the tokens emitted
+``golden/<config>/<trace>.json`` holds, per request, the greedy output, the tokens emitted
 per verify step (``accept_lens``) and ``fragile_from``: the first output index where the
 target's top-2 logit margin is below ``FRAGILE_MARGIN`` — from there on a numerically different
 (but correct) implementation may legitimately choose the other token. Traces catch draft-side
 regressions that output checks cannot see: a worse draft is still lossless, only slower.
+A prompt set has a trace per scenario (``golden_scenarios``): the set in one batch, its long
+prompts under chunked prefill (the trace's ``max_prefill_tokens``), and two-turn sessions
+(a turn's ``session_id``; its ``prompt_ids`` are the turn's new tokens). A session turn after
+one with a fragile position is fragile from 0: its context may legitimately differ.
 
 Files are written only by ``specgate golden record`` (serially, in one process). The engine's
 own tests compare exactly (syrupy, ``GoldenExtension``); other backends that claim
@@ -14,19 +18,23 @@ own tests compare exactly (syrupy, ``GoldenExtension``); other backends that cla
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from conformance.checks.golden_scenarios import PLAIN, Planned, Scenario, sessions_of, waves
 from conformance.checks.oracle import top2_margins
 from conformance.run.prompts import load_prompt_set
 from conformance.run.specs import config_id
-from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
+from refengine import Engine, EngineConfig, FinishEvent, SamplingParams, SpecConfig
 from refengine.data import fixtures_root, golden_root
 
 SCHEMA_VERSION = 1
 FRAGILE_MARGIN = 1e-3     # logits: a closer top-2 is a near-tie
 TAU_RTOL = 0.05           # mean tau of another backend within 5% of the golden one
 RECORD_MAX_NEW_TOKENS = 128
+# Fields a trace leaves out of its file when unset, so traces without them keep their bytes.
+UNSET_OMITTED = ("session_id", "max_prefill_tokens")
 
 
 @dataclass
@@ -36,6 +44,7 @@ class GoldenRequest:
     output_ids: list[int]
     accept_lens: list[int]
     fragile_from: int | None
+    session_id: str | None = None  # a session's turn, after the session's earlier turns
 
 
 @dataclass
@@ -47,9 +56,12 @@ class GoldenTrace:
     prompt_set: str
     requests: list[GoldenRequest]
     summary: dict[str, object]
+    max_prefill_tokens: int | None = None  # the prefill budget it ran under (None: default)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
+        raw = _without_unset(asdict(self))
+        raw["requests"] = [_without_unset(r) for r in raw["requests"]]
+        return json.dumps(raw, indent=1, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> GoldenTrace:
@@ -58,6 +70,10 @@ class GoldenTrace:
             raise ValueError(f"golden trace schema {raw.get('schema_version')} != {SCHEMA_VERSION}")
         raw["requests"] = [GoldenRequest(**r) for r in raw["requests"]]
         return cls(**raw)
+
+
+def _without_unset(raw: dict[str, object]) -> dict[str, object]:
+    return {k: v for k, v in raw.items() if not (k in UNSET_OMITTED and v is None)}
 
 
 def summarize(accept_lens: list[list[int]], num_steps: int) -> dict[str, object]:
@@ -86,32 +102,65 @@ def fixture_hashes(config: SpecConfig, model: str) -> dict[str, str]:
     return {k: manifest[k] for k in wanted if k in manifest}
 
 
+def run_waves(engine: Engine, planned: Sequence[Planned | GoldenRequest],
+              params: SamplingParams) -> dict[str, FinishEvent]:
+    """Each wave of ``planned`` (a trace's requests, before or after recording) submitted at
+    once and run to completion (``waves``), its sessions opened first; the finish of every
+    request."""
+    for session in sessions_of(planned):
+        engine.open_session(session)
+    done: dict[str, FinishEvent] = {}
+    for wave in waves(planned):
+        for p in wave:
+            engine.add_request(p.id, p.prompt_ids, params, p.session_id)
+        while any(p.id not in done for p in wave):
+            done.update((ev.rid, ev) for ev in engine.step() if isinstance(ev, FinishEvent))
+    return done
+
+
 def record(config: SpecConfig, prompt_set: str, model: str = "tiny-code",
-           max_new_tokens: int = RECORD_MAX_NEW_TOKENS) -> GoldenTrace:
-    """Run the reference engine on the whole prompt set at once and trace it."""
-    cases = load_prompt_set(prompt_set, model)
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+           max_new_tokens: int = RECORD_MAX_NEW_TOKENS, scenario: Scenario = PLAIN
+           ) -> GoldenTrace:
+    """Run the reference engine on the scenario's requests of the prompt set, wave by wave
+    (the plain and chunked traces: one batch), and trace them."""
+    planned = scenario.plan(load_prompt_set(prompt_set, model))
+    params = SamplingParams(max_new_tokens=scenario.max_new_tokens or max_new_tokens,
+                            temperature=0.0, ignore_eos=True)
+    budget = ({} if scenario.max_prefill_tokens is None
+              else {"max_prefill_tokens": scenario.max_prefill_tokens})
     engine = Engine(EngineConfig(model=model, spec=config, kv_pool_tokens=65536,
-                                 max_running_requests=max(64, len(cases))))
-    outs = engine.generate([list(c.ids) for c in cases], params)
+                                 max_running_requests=max(64, len(planned)), **budget))
+    done = run_waves(engine, planned, params)
     scorer = Engine(EngineConfig(model=model, kv_pool_tokens=8192, max_running_requests=4))
-    requests = [GoldenRequest(c.id, list(c.ids), o.output_ids, o.accept_lens,
-                              fragile_from(scorer, list(c.ids), o.output_ids))
-                for c, o in zip(cases, outs, strict=True)]
+    contexts: dict[str | None, list[int]] = {}
+    unsettled: set[str | None] = set()  # sessions with a fragile turn: later ones may differ
+    requests = []
+    for p in planned:
+        output = list(done[p.id].output_ids)
+        context = contexts.get(p.session_id, []) + p.prompt_ids
+        fragile = 0 if p.session_id in unsettled else fragile_from(scorer, context, output)
+        if p.session_id is not None:
+            contexts[p.session_id] = context + output
+            if fragile is not None:
+                unsettled.add(p.session_id)
+        requests.append(GoldenRequest(p.id, p.prompt_ids, output,
+                                      list(done[p.id].accept_lens), fragile, p.session_id))
     return GoldenTrace(SCHEMA_VERSION, fixture_hashes(config, model), asdict(config),
                        asdict(params), prompt_set, requests,
-                       summarize([r.accept_lens for r in requests], config.num_steps))
+                       summarize([r.accept_lens for r in requests], config.num_steps),
+                       scenario.max_prefill_tokens)
 
 
-def golden_path(config: SpecConfig, prompt_set: str, root: Path | None = None) -> Path:
-    """Overlap scheduling changes when a step's result is applied, not what is drafted or
-    accepted: an overlap configuration is held to its sequential twin's trace."""
+def golden_path(config: SpecConfig, name: str, root: Path | None = None) -> Path:
+    """``name``: a trace's (``Scenario.trace_name``). Overlap scheduling changes when a step's
+    result is applied, not what is drafted or accepted: an overlap configuration is held to
+    its sequential twin's trace."""
     twin = replace(config, overlap=False)
-    return (root or golden_root()) / config_id(twin) / f"{prompt_set}.json"
+    return (root or golden_root()) / config_id(twin) / f"{name}.json"
 
 
-def load(config: SpecConfig, prompt_set: str) -> GoldenTrace:
-    path = golden_path(config, prompt_set)
+def load(config: SpecConfig, name: str) -> GoldenTrace:
+    path = golden_path(config, name)
     if not path.exists():
         raise FileNotFoundError(f"no golden trace {path} (record it with `specgate golden "
                                 "record`)")
@@ -176,17 +225,18 @@ def compare(golden: GoldenTrace, outputs: dict[str, list[int]],
     return problems
 
 
-def syrupy_extension() -> type:
-    """A syrupy extension that compares a ``GoldenTrace`` with ``golden/<config>/<set>.json``.
+def syrupy_extension(trace_name: str = "default") -> type:
+    """A syrupy extension that compares a ``GoldenTrace`` with
+    ``golden/<config>/<trace_name>.json``.
 
-    The test's parameter id is the config id and the snapshot name is the prompt set. It never
+    The test's parameter id is the config id and the snapshot name is the trace's. It never
     writes: ``--snapshot-update`` raises, because golden files come only from
     ``specgate golden record`` (reviewed in the commit that changes them).
     """
     from syrupy.extensions.json import JSONSnapshotExtension
 
     class GoldenExtension(JSONSnapshotExtension):
-        prompt_set = "default"
+        prompt_set = trace_name
 
         @classmethod
         def dirname(cls, *, test_location) -> str:  # type: ignore[no-untyped-def,override]

@@ -1,52 +1,108 @@
 """Tier golden: acceptance traces against `golden/` for backends that run the reference draft
 algorithm on the fixture weights (``reference_draft``) and report per-verify counts
-(``acceptance_stats``), every request of the golden set in every profile: ``full`` for the
-trace's whole length, ``gate`` for its first ``GATE_TOKENS`` tokens (the runs are greedy and
-batched, so 40 requests cost little more than a few run one at a time). Outputs,
-and the accept length of every verify step, must match exactly up to each request's first
-fragile position; mean tau must stay within ``golden.TAU_RTOL``. A draft that got worse is still
-lossless — this is the tier that notices."""
+(``acceptance_stats``). Outputs, and the accept length of every verify step, must match
+exactly up to each request's first fragile position; mean tau must stay within
+``golden.TAU_RTOL``. A draft that got worse is still lossless — this is the tier that notices.
+
+Three traces per configuration (``checks/golden_scenarios.py``): the golden set in one batch
+(every request; ``full`` for the trace's whole length, ``gate`` for its first ``GATE_TOKENS``
+tokens: the runs are greedy and batched, so 40 requests cost little more than a few run one at
+a time); its long prompts under chunked prefill (backends that honour ``max_prefill_tokens``:
+``chunked_prefill``), where a drafter that follows only a prompt's last chunk accepts less; and
+two-turn sessions (``stepwise``, ``sessions``), where a drafter that loses the inherited
+context accepts less on the second turn. The last two are short and run whole; in ``gate`` on
+the spec's first configuration only (what they check, the drafter's prefill and the KV a
+session keeps, does not depend on the draft's shape), in ``full`` on every one.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 
 from conformance.checks import golden
+from conformance.checks.golden_scenarios import (
+    CHUNKED,
+    PLAIN,
+    SESSION_TURNS,
+    Scenario,
+    sessions_of,
+    waves,
+)
 from conformance.contract import SpecConfig
 from conformance.report.certified import accept_histogram
-from conformance.run.plugin import SuiteContext
-from conformance.suites.support import greedy, open_driver, parametrize_spec_configs, run_all
+from conformance.run.driver import Outcome, step_budget
+from conformance.run.plugin import SuiteContext, context
+from conformance.run.specs import config_id
+from conformance.suites.support import greedy, open_driver, parametrize_spec_configs
 
 pytestmark = [pytest.mark.specgate_tier("golden"),
               pytest.mark.specgate_requires("reference_draft", "acceptance_stats")]
 GOLDEN_SET = "default"
 GATE_TOKENS = 64  # of the trace's 128 per request: every request, half the length, in gate
 
+Record = Callable[[str, object], None]
+FIRST_CONFIG_IN_GATE = ("test_chunked_acceptance_matches_golden",
+                        "test_session_acceptance_matches_golden")
+
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    sg = context(metafunc.config)
+    if metafunc.function.__name__ in FIRST_CONFIG_IN_GATE and sg.profile.name != "full":
+        first = sg.spec.configs[:1]
+        metafunc.parametrize("spec_config", first, ids=[config_id(c) for c in first])
+        return
     parametrize_spec_configs(metafunc)
 
 
-def test_acceptance_matches_golden(sg: SuiteContext, spec_config: SpecConfig | None,
-                                   record_property) -> None:
+def _trace(spec_config: SpecConfig | None, scenario: Scenario) -> golden.GoldenTrace:
     if spec_config is None:
         pytest.skip("plain decoding has no acceptance trace")
-    trace = golden.load(spec_config, GOLDEN_SET)
-    chosen = trace.requests
+    return golden.load(spec_config, scenario.trace_name(GOLDEN_SET))
+
+
+def _run(sg: SuiteContext, spec_config: SpecConfig, trace: golden.GoldenTrace, tokens: int
+         ) -> dict[str, Outcome]:
+    """The trace's requests, greedy for ``tokens`` each, in its waves (sessions opened first
+    and closed after), under its prefill budget."""
+    params = greedy(tokens)
+    limits = {} if trace.max_prefill_tokens is None else {
+        "max_prefill_tokens": trace.max_prefill_tokens}
+    sessions = sessions_of(trace.requests)
+    with open_driver(sg, spec_config, max_running_requests=max(64, len(trace.requests)),
+                     kv_pool_tokens=65536, **limits) as driver:
+        for session in sessions:
+            driver.open_session(session)
+        for wave in waves(trace.requests):
+            for r in wave:
+                driver.submit(r.id, r.prompt_ids, params, session_id=r.session_id)
+            driver.run(step_budget([(r.prompt_ids, params) for r in wave]))
+        for session in sessions:
+            driver.close_session(session)
+    return driver.outcomes
+
+
+def _compare(trace: golden.GoldenTrace, outcomes: dict[str, Outcome], spec_config: SpecConfig
+             ) -> list[str]:
+    return golden.compare(trace, {k: o.output_ids for k, o in outcomes.items()},
+                          {k: o.accept_lens for k, o in outcomes.items()}, spec_config.num_steps)
+
+
+def test_acceptance_matches_golden(sg: SuiteContext, spec_config: SpecConfig | None,
+                                   record_property: Record) -> None:
+    trace = _trace(spec_config, PLAIN)
+    assert spec_config is not None
     recorded = int(trace.sampling["max_new_tokens"])
-    params = greedy(recorded if sg.profile.name == "full" else min(GATE_TOKENS, recorded))
-    requests = {r.id: (r.prompt_ids, params) for r in chosen}
-    with open_driver(sg, spec_config, max_running_requests=max(64, len(requests)),
-                     kv_pool_tokens=65536) as driver:
-        outcomes = run_all(driver, requests)
-    problems = golden.compare(trace, {k: o.output_ids for k, o in outcomes.items()},
-                              {k: o.accept_lens for k, o in outcomes.items()},
-                              spec_config.num_steps)
+    tokens = recorded if sg.profile.name == "full" else min(GATE_TOKENS, recorded)
+    outcomes = _run(sg, spec_config, trace, tokens)
+    problems = _compare(trace, outcomes, spec_config)
+
     def run_steps(lens: list[int]) -> list[int]:  # the verify steps inside this run's length
-        return lens[:golden.comparable_steps(lens, params.max_new_tokens)]
+        return lens[:golden.comparable_steps(lens, tokens)]
 
     backend_lens = [run_steps(o.accept_lens) for o in outcomes.values()]
-    golden_lens = [run_steps(r.accept_lens) for r in chosen]
+    golden_lens = [run_steps(r.accept_lens) for r in trace.requests]
     got = golden.summarize(backend_lens, spec_config.num_steps)
     want = golden.summarize(golden_lens, spec_config.num_steps)
     record_property("mean_tau", got["mean_tau"])
@@ -57,3 +113,29 @@ def test_acceptance_matches_golden(sg: SuiteContext, spec_config: SpecConfig | N
     record_property("accept_hist", accept_histogram(backend_lens))
     record_property("golden_accept_hist", accept_histogram(golden_lens))
     assert not problems, f"{len(problems)} golden mismatches: {problems[:5]}"
+
+
+def _check_whole(sg: SuiteContext, spec_config: SpecConfig | None, scenario: Scenario,
+                 record_property: Record) -> None:
+    """A short trace run whole; its mean tau beside the trace's as ``trace_tau`` and
+    ``golden_trace_tau`` (the certificate's golden τ and histograms stay the plain trace's)."""
+    trace = _trace(spec_config, scenario)
+    assert spec_config is not None
+    outcomes = _run(sg, spec_config, trace, int(trace.sampling["max_new_tokens"]))
+    problems = _compare(trace, outcomes, spec_config)
+    record_property("trace_tau", golden.summarize([o.accept_lens for o in outcomes.values()],
+                                            spec_config.num_steps)["mean_tau"])
+    record_property("golden_trace_tau", trace.summary["mean_tau"])
+    assert not problems, f"{len(problems)} golden mismatches: {problems[:5]}"
+
+
+@pytest.mark.specgate_requires("chunked_prefill")
+def test_chunked_acceptance_matches_golden(sg: SuiteContext, spec_config: SpecConfig | None,
+                                           record_property: Record) -> None:
+    _check_whole(sg, spec_config, CHUNKED, record_property)
+
+
+@pytest.mark.specgate_requires("stepwise", "sessions")
+def test_session_acceptance_matches_golden(sg: SuiteContext, spec_config: SpecConfig | None,
+                                           record_property: Record) -> None:
+    _check_whole(sg, spec_config, SESSION_TURNS, record_property)

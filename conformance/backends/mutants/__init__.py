@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from conformance.backends.mutants.acceptance import DraftSkipsNonFinalChunks, SessionDropsDraftKV
 from conformance.backends.mutants.context_limit import EndsShortOfContextLimit
 from conformance.backends.mutants.graph import (
     BonusTokensNotRestaged,
@@ -179,6 +180,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            killed_by="test_memory.py::test_invariants_under_pressure[tree-s5-k8-n16-1]"),
     Mutant("ends_short_of_context_limit", EndsShortOfContextLimit,
            killed_by="test_memory.py::test_invariants_past_context_boundary[plain-ctx2048]"),
+    Mutant("draft_skips_non_final_chunks", DraftSkipsNonFinalChunks, spec="eagle",
+           killed_by="test_golden.py::test_chunked_acceptance_matches_golden[chain-s3-n4]"),
+    Mutant("session_drops_draft_kv", SessionDropsDraftKV, spec="eagle",
+           killed_by="test_golden.py::test_session_acceptance_matches_golden[chain-s3-n4]"),
 ]}
 
 

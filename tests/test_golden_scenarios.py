@@ -1,0 +1,79 @@
+"""The golden traces of a prompt set (``conformance/checks/golden_scenarios.py``): which
+requests each holds, the order they run in, and what the committed chunked and session traces
+must contain for the golden tier to check what they are for."""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance.checks import golden
+from conformance.checks.golden_scenarios import (
+    CHUNK_TOKENS,
+    CHUNKED,
+    CHUNKED_PROMPTS,
+    SCENARIO_TOKENS,
+    SESSION_TURNS,
+    SESSIONS,
+    TURN_PROMPT_TOKENS,
+    Planned,
+    sessions_of,
+    waves,
+)
+from conformance.run.prompts import load_prompt_set
+from conformance.run.specs import SPECS, config_id
+
+CONFIGS = [c for choice in SPECS.values() for c in choice.configs
+           if c is not None and not c.overlap]
+
+
+def test_waves_put_each_session_turn_after_the_one_before() -> None:
+    reqs = [Planned("a", [1]), Planned("s0-0", [2], "s0"), Planned("s1-0", [3], "s1"),
+            Planned("s0-1", [4], "s0"), Planned("b", [5]), Planned("s1-1", [6], "s1")]
+    assert [[r.id for r in wave] for wave in waves(reqs)] == [
+        ["a", "s0-0", "s1-0", "b"], ["s0-1", "s1-1"]]
+    assert sessions_of(reqs) == ["s0", "s1"]
+    assert [[r.id for r in wave] for wave in waves(reqs[:1])] == [["a"]]
+
+
+def test_chunked_plan_takes_prompts_of_at_least_three_chunks() -> None:
+    planned = CHUNKED.plan(load_prompt_set("default"))
+    assert len(planned) == CHUNKED_PROMPTS
+    assert all(len(p.prompt_ids) > 2 * CHUNK_TOKENS and p.session_id is None for p in planned)
+
+
+def test_session_plan_is_two_turns_per_session() -> None:
+    planned = SESSION_TURNS.plan(load_prompt_set("default"))
+    assert sessions_of(planned) == [f"s{j}" for j in range(SESSIONS)]
+    first, second = waves(planned)
+    assert [p.session_id for p in first] == [p.session_id for p in second]
+    assert all(0 < len(p.prompt_ids) <= TURN_PROMPT_TOKENS for p in second)
+
+
+def test_a_trace_without_sessions_or_a_prefill_budget_keeps_its_file_format() -> None:
+    request = golden.GoldenRequest("r", [7, 8], [1, 2], [1], None)
+    trace = golden.GoldenTrace(golden.SCHEMA_VERSION, {}, {}, {}, "set", [request], {})
+    assert "session_id" not in trace.to_json() and "max_prefill_tokens" not in trace.to_json()
+    turn = golden.GoldenRequest("s0-t1", [9], [1, 2], [1], 0, "s0")
+    chunked = golden.GoldenTrace(golden.SCHEMA_VERSION, {}, {}, {}, "set", [turn], {}, 64)
+    assert golden.GoldenTrace.from_json(chunked.to_json()) == chunked
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_committed_chunked_trace_chunks_every_prompt(config) -> None:  # type: ignore[no-untyped-def]
+    trace = golden.load(config, CHUNKED.trace_name("default"))
+    assert trace.max_prefill_tokens == CHUNK_TOKENS
+    assert trace.sampling["max_new_tokens"] == SCENARIO_TOKENS
+    assert all(len(r.prompt_ids) > 2 * CHUNK_TOKENS for r in trace.requests)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_committed_session_trace_has_comparable_second_turns(config) -> None:  # type: ignore[no-untyped-def]
+    """Most second turns must be compared exactly for some verify steps, or the trace could
+    not tell a drafter that lost the session's context."""
+    trace = golden.load(config, SESSION_TURNS.trace_name("default"))
+    assert trace.max_prefill_tokens is None
+    second = waves(trace.requests)[1]
+    assert len(second) == SESSIONS
+    compared = [r for r in second if golden.comparable_steps(
+        r.accept_lens, len(r.output_ids) if r.fragile_from is None else r.fragile_from)]
+    assert len(compared) >= SESSIONS - 1, [(r.id, r.fragile_from) for r in second]
