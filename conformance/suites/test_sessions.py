@@ -25,8 +25,14 @@ from conformance.checks.oracle import NEAR_TIE_EPSILON
 from conformance.contract import SamplingParams
 from conformance.run.driver import Driver
 from conformance.run.plugin import SuiteContext
-from conformance.suites.support import PAGE_SIZES, assert_matches_oracle, greedy, open_driver
-from refengine.data import fixture_names, resolve_model_dir
+from conformance.suites.support import (
+    PAGE_SIZES,
+    assert_matches_oracle,
+    greedy,
+    model_property,
+    open_driver,
+)
+from refengine.data import resolve_model_dir
 from refengine.model.loader import load_config
 
 pytestmark = [pytest.mark.specgate_tier("sessions"),
@@ -203,10 +209,8 @@ def _stop_params(sg: SuiteContext, ending: Ending, want: list[int], start: int
 def _required(sg: SuiteContext, found: T | None, what: str) -> T:
     """``found``; a turn ending the model cannot be brought to is not applicable, except on a
     bundled fixture, whose prompts are known to give it (there it is a defect of the suite)."""
-    if found is None:
-        if sg.model in fixture_names():
-            raise AssertionError(f"the fixture {sg.model!r} gives no {what}")
-        pytest.skip(f"not applicable: the model {sg.model!r} gives no {what}")
+    model_property(sg, found is not None, f"the model gives no {what}")
+    assert found is not None
     return found
 
 
