@@ -98,8 +98,11 @@ def test_acceptance_matches_golden(sg: SuiteContext, spec_config: SpecConfig | N
     outcomes = _run(sg, spec_config, trace, tokens)
     problems = _compare(trace, outcomes, spec_config)
 
-    def run_steps(lens: list[int]) -> list[int]:  # the verify steps inside this run's length
-        return lens[:golden.comparable_steps(lens, tokens)]
+    def run_steps(lens: list[int]) -> list[int]:
+        """The verify steps that end before this run's last token: the step that reaches it
+        may be cut short by max_new_tokens here and not in the longer trace, which would
+        count a short step on one side only."""
+        return lens[:golden.comparable_steps(lens, tokens - 1)]
 
     backend_lens = [run_steps(o.accept_lens) for o in outcomes.values()]
     golden_lens = [run_steps(r.accept_lens) for r in trace.requests]
