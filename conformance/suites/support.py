@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Literal
@@ -97,25 +97,24 @@ def model_property(sg: SuiteContext, holds: bool, what: str) -> None:
     pytest.skip(f"not applicable with model {sg.model}: {what}")
 
 
-def parametrize_spec_configs(metafunc: pytest.Metafunc) -> None:
+def parametrize_spec_configs(
+        metafunc: pytest.Metafunc,
+        narrow: Callable[[SuiteContext], tuple[SpecConfig | None, ...]] | None = None) -> None:
     """For a suite module's ``pytest_generate_tests``: one case per configuration of the spec
-    being certified (``spec_config`` argument)."""
-    if "spec_config" in metafunc.fixturenames:
-        configs = context(metafunc.config).spec.configs
-        metafunc.parametrize("spec_config", configs, ids=[config_id(c) for c in configs])
-
-
-def parametrize_pressure_configs(metafunc: pytest.Metafunc) -> None:
-    """For a suite module's ``pytest_generate_tests``: the ``spec_config`` argument of checks
-    that put a backend's KV pool under pressure: every configuration of the spec, or under a
-    profile that says so (the gate) only the one with the largest per-step KV need
-    (``conformance.run.pressure.step_kv_need``)."""
+    being certified (``spec_config`` argument), or per configuration ``narrow`` picks."""
     if "spec_config" in metafunc.fixturenames:
         sg = context(metafunc.config)
-        configs = sg.spec.configs
-        if sg.profile.pressure_configs == "widest":
-            configs = (widest_config(configs),)
+        configs = sg.spec.configs if narrow is None else narrow(sg)
         metafunc.parametrize("spec_config", configs, ids=[config_id(c) for c in configs])
+
+
+def pressure_configs(sg: SuiteContext) -> tuple[SpecConfig | None, ...]:
+    """The configurations a check that puts the KV pool under pressure opens: every one of the
+    spec, or under a profile that says so (the gate) only the one with the largest per-step KV
+    need (``conformance.run.pressure.step_kv_need``)."""
+    if sg.profile.pressure_configs == "widest":
+        return (widest_config(sg.spec.configs),)
+    return sg.spec.configs
 
 
 @contextmanager

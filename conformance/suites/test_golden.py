@@ -33,8 +33,7 @@ from conformance.checks.golden_scenarios import (
 from conformance.contract import SpecConfig
 from conformance.report.certified import accept_histogram
 from conformance.run.driver import Outcome, step_budget
-from conformance.run.plugin import SuiteContext, context
-from conformance.run.specs import config_id
+from conformance.run.plugin import SuiteContext
 from conformance.suites.support import greedy, open_driver, parametrize_spec_configs
 
 pytestmark = [pytest.mark.specgate_tier("golden"),
@@ -47,13 +46,13 @@ FIRST_CONFIG_IN_GATE = ("test_chunked_acceptance_matches_golden",
                         "test_session_acceptance_matches_golden")
 
 
+def _first_in_gate(sg: SuiteContext) -> tuple[SpecConfig | None, ...]:
+    return sg.spec.configs if sg.profile.name == "full" else sg.spec.configs[:1]
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    sg = context(metafunc.config)
-    if metafunc.function.__name__ in FIRST_CONFIG_IN_GATE and sg.profile.name != "full":
-        first = sg.spec.configs[:1]
-        metafunc.parametrize("spec_config", first, ids=[config_id(c) for c in first])
-        return
-    parametrize_spec_configs(metafunc)
+    parametrize_spec_configs(metafunc, _first_in_gate if metafunc.function.__name__
+                             in FIRST_CONFIG_IN_GATE else None)
 
 
 def _trace(spec_config: SpecConfig | None, scenario: Scenario) -> golden.GoldenTrace:

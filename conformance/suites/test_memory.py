@@ -31,7 +31,8 @@ from conformance.suites.support import (
     long_context_requests,
     open_driver,
     parametrize_context_boundaries,
-    parametrize_pressure_configs,
+    parametrize_spec_configs,
+    pressure_configs,
     with_graph_runner,
 )
 
@@ -44,7 +45,7 @@ Requests = dict[str, tuple[list[int], SamplingParams]]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    parametrize_pressure_configs(metafunc)
+    parametrize_spec_configs(metafunc, pressure_configs)
     parametrize_context_boundaries(metafunc, reach_limit=True)
 
 
