@@ -14,7 +14,7 @@ from specwire.params import SPEC_ALGORITHMS, SamplingParams, SpecConfig, is_int,
 
 __all__ = ["GRAPH_EXECUTORS", "SPEC_ALGORITHMS", "EngineConfig", "SamplingParams", "SpecConfig"]
 
-GRAPH_EXECUTORS = ("compiled", "frozen", "replay")  # EngineConfig.graph_executor's values
+GRAPH_EXECUTORS = ("compiled", "frozen", "replay", "cuda")  # EngineConfig.graph_executor's
 
 
 @dataclass(frozen=True)
@@ -30,15 +30,17 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     strict_mem_check: bool = True
-    # Target decode and verify forwards through the graph runner (refengine/graph/): staged on
-    # static bucket-padded buffers and run by ``graph_executor``: "compiled" (torch.compile
-    # per key, what makes a CPU engine faster; first use of a key compiles it, once per
-    # machine thanks to inductor's cache), "frozen" (the same with the weights folded into
-    # each key: faster still, but every process compiles each key again) or "replay"
-    # (the captured callable run eagerly on the static buffers: staging and padding under test,
-    # no speed-up).
+    # Target decode and verify forwards (and the draft loops) through the graph runner
+    # (refengine/graph/): staged on static bucket-padded buffers and run by
+    # ``graph_executor``: "cuda" (each key captured as a CUDA graph and replayed; the default
+    # on a CUDA device), "compiled" (torch.compile per key, what makes a CPU engine faster;
+    # first use of a key compiles it, once per machine thanks to inductor's cache; the
+    # default on the CPU), "frozen" (the same with the weights folded into each key: faster
+    # still on a CPU, but every process compiles each key again) or "replay" (the captured
+    # callable run eagerly on the static buffers: staging and padding under test, no
+    # speed-up). None: the device's default.
     cuda_graph: bool = False
-    graph_executor: Literal["compiled", "frozen", "replay"] = "compiled"
+    graph_executor: Literal["compiled", "frozen", "replay", "cuda"] | None = None
     seed: int = 0
     retract_every: int = 0  # test hook: retract the middle decoding request every N decode steps
     # Overlap scheduling (SpecConfig(overlap=True)): run each decode step's forwards on a worker
@@ -74,5 +76,14 @@ class EngineConfig:
                  f"must be a bool, got {self.overlap_thread!r}")
         require(isinstance(self.cuda_graph, bool), "cuda_graph",
                  f"must be a bool, got {self.cuda_graph!r}")
+        if self.graph_executor is None:  # frozen dataclass: resolve the default once, here
+            object.__setattr__(self, "graph_executor",
+                               "cuda" if self.device.startswith("cuda") else "compiled")
         require(self.graph_executor in GRAPH_EXECUTORS, "graph_executor",
                  f"must be one of {', '.join(GRAPH_EXECUTORS)}, got {self.graph_executor!r}")
+        on_gpu = self.device.startswith("cuda")
+        require(on_gpu or self.graph_executor != "cuda", "graph_executor",
+                 f"'cuda' (CUDA graphs) needs device 'cuda[:N]', got {self.device!r}")
+        require(not on_gpu or self.graph_executor != "frozen", "graph_executor",
+                 "'frozen' folds the weights into CPU GEMM templates; on a GPU use 'cuda', "
+                 "'compiled' or 'replay'")

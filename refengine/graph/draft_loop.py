@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from refengine.graph.compile import InPlaceKV, WarmKeys, own_code
+from refengine.graph.cuda_graph import Captured, CudaGraphs, GraphRecorder, clone_outputs
 from refengine.graph.staging import DUMMY_ROW, DUMMY_SLOT, pad_to_bucket
 from refengine.memory.kv_pool import KVPool
 from refengine.model.attention import AttentionMetadata
@@ -236,18 +237,22 @@ class DraftLoopGraph:
 
     Executors: "replay" calls the loop on the static views; "compiled" compiles it per key
     (``fullgraph``, static shapes; one code copy per key, as ``CompiledExecutor``); "frozen"
-    compiles it with the draft's weights folded in (``FROZEN_WEIGHTS``)."""
+    compiles it with the draft's weights folded in (``FROZEN_WEIGHTS``); "cuda" captures it per
+    key as a CUDA graph (``cuda_graph.py``) and copies each replay's outputs out."""
 
     staging_class: type[LoopStaging] = LoopStaging  # the bug zoo swaps in a broken restaging
 
     def __init__(self, draft: EagleDraftModel | FrozenKVMTPDraftModel, pool: KVPool,
                  table: torch.Tensor, topk: int, steps: int, sizes: Sequence[int],
-                 kv_sizes: Sequence[int], executor: str, extend_rows: int = 0) -> None:
+                 kv_sizes: Sequence[int], executor: str, extend_rows: int = 0,
+                 recorder: GraphRecorder | None = None) -> None:
         """``extend_rows`` > 0 (an EAGLE head): the graph of the head's draft-extend over that
-        many rows per request ("extend:eagle") instead of the draft loop."""
-        if executor not in ("replay", "compiled", "frozen"):
-            raise ValueError(f"draft loop executor: 'replay', 'compiled' or 'frozen', got "
-                             f"{executor!r}")
+        many rows per request ("extend:eagle") instead of the draft loop. ``recorder``: what
+        records the "cuda" executor's graphs (the target's, so they share its pool; by default
+        real CUDA graphs on the table's device)."""
+        if executor not in ("replay", "compiled", "frozen", "cuda"):
+            raise ValueError(f"draft loop executor: 'replay', 'compiled', 'frozen' or 'cuda', "
+                             f"got {executor!r}")
         self.draft, self.pool, self.table = draft, pool, table
         self.topk, self.steps = topk, steps
         self.sizes, self.kv_sizes = list(sizes), list(kv_sizes)
@@ -262,6 +267,8 @@ class DraftLoopGraph:
         dtype = draft.fc.weight.dtype if eagle else draft.pre_projection.weight.dtype
         self.staging = self.staging_class(self.kind, self.sizes[-1], dims, dtype, table.device)
         self._compiled: dict[tuple[int, int], Callable[..., Any]] = {}
+        self._recorder = (recorder or CudaGraphs(table.device)) if executor == "cuda" else None
+        self._captured: dict[tuple[int, int], Captured] = {}
         self._warm = WarmKeys(self.executor == "frozen")
 
     def key(self, raw: int, lengths: torch.Tensor) -> tuple[int, int] | None:
@@ -317,6 +324,11 @@ class DraftLoopGraph:
         with torch.inference_mode():
             if self.executor == "replay":
                 return self._loop(*args, **views)
+            if self._recorder is not None:  # "cuda": replay the key's graph, copy out
+                if key not in self._captured:
+                    self._captured[key] = self._recorder.capture(
+                        lambda: self._loop(*args, **views))
+                return clone_outputs(self._captured[key].replay())
             if key not in self._compiled:
                 self._compiled[key] = torch.compile(own_code(self._loop), fullgraph=True,
                                                     dynamic=False)

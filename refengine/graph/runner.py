@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from refengine.graph.cuda_graph import CudaGraphExecutor, CudaGraphs
 from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.graph.executors import (
     CompiledExecutor,
@@ -117,14 +118,18 @@ class GraphRunner:
             pool = (runner.kv.draft_pool if isinstance(draft, EagleDraftModel)
                     else runner.kv.target_pool)
             assert pool is not None, "an EAGLE head keeps draft KV"
-            loop_executor = (self.executor.name if self.executor.name in ("replay", "frozen")
+            loop_executor = (self.executor.name
+                             if self.executor.name in ("replay", "frozen", "cuda")
                              else "compiled")
+            # CUDA graphs: the loops record into the target's pool (one pool per runner).
+            recorder = getattr(self.executor, "graphs", None)
             self.draft_loop = self.draft_loop_class(
-                draft, pool, table, *draft_steps, self.sizes, self.kv_sizes, loop_executor)
+                draft, pool, table, *draft_steps, self.sizes, self.kv_sizes, loop_executor,
+                recorder=recorder)
             if isinstance(draft, EagleDraftModel) and "verify" in self.kinds:
                 self.draft_extend = self.draft_loop_class(
                     draft, pool, table, *draft_steps, self.sizes, self.kv_sizes, loop_executor,
-                    extend_rows=self.kinds["verify"])
+                    extend_rows=self.kinds["verify"], recorder=recorder)
 
     def _make_executor(self, name: str) -> Executor:
         if name == "replay":
@@ -134,8 +139,11 @@ class GraphRunner:
                                     self.runner.kv.rows.table,
                                     split="layers" if name == "compiled-layers" else "whole",
                                     freeze_weights=name == "frozen")
-        raise ValueError(f"executor: 'replay', 'compiled', 'compiled-layers' or 'frozen', got "
-                         f"{name!r}")
+        if name == "cuda":  # real graphs on a CUDA device; ValueError elsewhere
+            return CudaGraphExecutor(self.static_forward,
+                                     CudaGraphs(self.runner.kv.rows.table.device))
+        raise ValueError(f"executor: 'replay', 'compiled', 'compiled-layers', 'frozen' or "
+                         f"'cuda', got {name!r}")
 
     def static_forward(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
         """The captured callable: the model's own forward over the padded static views."""

@@ -1,0 +1,163 @@
+"""The CUDA-graph executor: each key's forward captured once with ``torch.cuda.CUDAGraph`` and
+replayed, for the target's decode and verify kinds and for the draft loops and EAGLE's
+draft-extend (``DraftLoopGraph``).
+
+A graph records the kernels of one call of a callable on fixed addresses: the staged views
+(``Staging``, ``LoopStaging``: allocated once, a bucket's view a stable prefix), the model's
+weights, the KV pools and the row table. A replay re-runs those kernels on whatever those
+addresses hold then, so everything that changes between steps must be restaged before each
+replay (``Staging.stage``/``LoopStaging.stage`` copy every buffer, every time: a buffer left as
+captured replays an earlier step's values), and nothing may be computed on the host inside the
+callable (``search``, ``static_attention`` and the model's forward do tensor work only).
+
+Memory: every capture of one runner allocates from one private pool (``CudaGraphs.pool``), so
+the keys share their temporaries instead of each holding its own. The price is that a replay
+may overwrite memory another key's outputs live in, so the outputs of a replay are valid only
+until the next replay of any key: ``outputs_persist`` makes the graph runner copy them out at
+once, and ``DraftLoopGraph`` does the same with a loop's outputs.
+
+``EmulatedGraphs`` is a CPU stand-in with the same observable contract (static outputs,
+overwritten in place by every replay; inputs read at replay), so the executor's capture,
+staging and copy-out logic runs in CPU tests and CI; only the recording itself needs a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from refengine.graph.executors import GraphKey, StaticForward
+from refengine.graph.staging import StagedViews
+from refengine.model.llama import ForwardOutput
+
+WARMUP_CALLS = 2  # before capture: lazy initialisation (cuBLAS handles, autotuning) stays out
+
+
+@dataclass
+class Captured:
+    """One recorded callable: ``replay()`` re-runs it and returns its static ``outputs``."""
+
+    replay_fn: Callable[[], None]
+    outputs: Any  # the callable's return value: tensors, a tuple of them or a dataclass
+
+    def replay(self) -> Any:
+        self.replay_fn()
+        return self.outputs
+
+
+class GraphRecorder(Protocol):
+    name: str
+
+    def capture(self, fn: Callable[[], Any]) -> Captured:
+        """Record ``fn`` (which reads only fixed addresses) for replay."""
+
+
+class CudaGraphs:
+    """Real CUDA graphs on one device: warm-up on a side stream, then capture into the
+    recorder's private memory pool, shared by all its graphs (see the module docstring)."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"graph_executor: 'cuda' needs a CUDA device, got {self.device}")
+        self.pool = torch.cuda.graph_pool_handle()
+        self.captures = 0
+        self.capture_seconds = 0.0
+
+    def capture(self, fn: Callable[[], Any]) -> Captured:
+        start = time.perf_counter()
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_CALLS):
+                fn()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: under overlap scheduling the resolving thread may synchronise on the
+        # default stream while the launch thread captures; only the capturing thread's own
+        # calls are checked.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            outputs = fn()
+        torch.cuda.synchronize(self.device)
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - start
+        return Captured(graph.replay, outputs)
+
+
+def _copy_into(static: Any, fresh: Any) -> None:
+    """Write ``fresh`` (a call's result) into ``static`` (the first call's), same structure."""
+    if isinstance(static, torch.Tensor):
+        static.copy_(fresh)
+    elif isinstance(static, tuple):
+        for s, f in zip(static, fresh, strict=True):
+            _copy_into(s, f)
+    else:  # a dataclass of tensors (the draft search's ``Candidates``, ``ForwardOutput``)
+        for name in vars(static):
+            _copy_into(getattr(static, name), getattr(fresh, name))
+
+
+class EmulatedGraphs:
+    """A CPU stand-in for ``CudaGraphs``: capture calls ``fn`` once and keeps its result as the
+    static outputs; a replay calls ``fn`` again and copies the result into those same tensors.
+    What a CPU test can then see, as on a GPU: inputs are read at replay (a stale staged buffer
+    replays stale values), and a replay's outputs are overwritten by the next one."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self.captures = 0
+        self.capture_seconds = 0.0
+
+    def capture(self, fn: Callable[[], Any]) -> Captured:
+        outputs = fn()
+        self.captures += 1
+
+        def replay() -> None:
+            with torch.inference_mode():  # the outputs are inference tensors
+                _copy_into(outputs, fn())
+
+        return Captured(replay, outputs)
+
+
+def clone_outputs(out: Any) -> Any:
+    """A copy of a replay's outputs that the next replay cannot overwrite."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, tuple):
+        items = [clone_outputs(o) for o in out]
+        return type(out)(*items) if hasattr(out, "_fields") else tuple(items)
+    return type(out)(**{name: clone_outputs(v) for name, v in vars(out).items()})
+
+
+class CudaGraphExecutor:
+    """The target's decode and verify keys as CUDA graphs: ``prepare`` captures a key on the
+    staged views it is given (a batch of padding when capturing ahead, which writes only the
+    dummy page; the step's own batch on first use, whose KV writes the replay then repeats
+    with the same values), ``run`` replays it."""
+
+    name = "cuda"
+    outputs_persist = True  # the pool is shared: the runner copies the outputs out
+
+    def __init__(self, forward: StaticForward, graphs: GraphRecorder) -> None:
+        self.forward, self.graphs = forward, graphs
+        self._captured: dict[GraphKey, Captured] = {}
+
+    def prepare(self, key: GraphKey, views: StagedViews) -> None:
+        if key not in self._captured:
+            with torch.inference_mode():
+                self._captured[key] = self.graphs.capture(lambda: self.forward(key, views))
+
+    def run(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
+        self.prepare(key, views)
+        return self._captured[key].replay()
+
+    @property
+    def keys(self) -> list[GraphKey]:
+        return list(self._captured)
