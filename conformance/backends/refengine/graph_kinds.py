@@ -9,8 +9,8 @@ kinds of their own the same way.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, fields, replace
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -90,6 +90,16 @@ def decode_batch(probe: ProbeWorld, runner: Batcher, reqs: list[Req], seed: int
     return runner.prepare_extend(reqs, [1] * len(reqs), ids, list(range(len(reqs))))
 
 
+Inputs = TypeVar("Inputs", VerifyInput, DraftInput, SeedInput, DraftExtendInput)
+
+
+def on_device(inputs: Inputs, device: torch.device) -> Inputs:
+    """``inputs`` with every tensor on ``device``, where the engine keeps a step's inputs
+    (drawn on the CPU first, so a seed gives the same case on every device)."""
+    return replace(inputs, **{f.name: getattr(inputs, f.name).to(device)
+                              for f in fields(inputs)})
+
+
 def tree_mask(parents: list[int]) -> torch.Tensor:
     """[n, n]: node i sees itself and its ancestors (``parents[i]``, -1 for the root)."""
     n = len(parents)
@@ -116,10 +126,11 @@ def verify_batch(probe: ProbeWorld, runner: Batcher, reqs: list[Req], seed: int,
     for i in range(1, n):
         depth[i] = depth[parents[i]] + 1
     minus = torch.full((b, n), -1, dtype=torch.int64)
-    verify_input = VerifyInput(tokens, tree_mask(parents).expand(b, n, n).clone(),
-                      start[:, None] + torch.tensor(depth), minus, minus, minus, minus)
+    verify_input = on_device(VerifyInput(tokens, tree_mask(parents).expand(b, n, n).clone(),
+                               start[:, None] + torch.tensor(depth), minus, minus, minus,
+                               minus), probe.device)
     slots = torch.stack([probe.kv.extend(r, n) for r in reqs]) if reqs else \
-        torch.empty((0, n), dtype=torch.int64)
+        torch.empty((0, n), dtype=torch.int64, device=probe.device)
     return runner.prepare_verify(reqs, verify_input, slots, causal)
 
 
@@ -212,17 +223,17 @@ class DraftLoopKind:
         hidden = hidden.to(loop.staging.buffers["hidden"].dtype)
         tokens = torch.randint(1, vocab, (b,), generator=gen)
         if self.loop_kind == "draft:mtp":
-            return SeedInput(tokens, hidden)
+            return on_device(SeedInput(tokens, hidden), probe.device)
         scores = torch.rand((b, k), generator=gen).sort(dim=1, descending=True).values
-        return DraftInput(scores, torch.randint(1, vocab, (b, k), generator=gen), hidden,
-                          tokens)
+        return on_device(DraftInput(scores, torch.randint(1, vocab, (b, k), generator=gen),
+                                    hidden, tokens), probe.device)
 
     def prepare(self, probe: ProbeWorld, reqs: list[Req], seed: int, mode: Mode
                 ) -> Prepared:
         worker, loop = probe.worker, probe.draft_loop()
         assert worker is not None and loop is not None
         draft_input = self.inputs(probe, reqs, seed)
-        targets = torch.empty((0,), dtype=torch.int64)
+        targets = torch.empty((0,), dtype=torch.int64, device=probe.device)
         if self.writes_kv:  # the reserved slots the draft writes its scratch KV into
             slots = worker.reserved_slots(reqs, loop.topk * (loop.steps - 1))
             targets = slots.reshape(-1).clone()
@@ -285,7 +296,7 @@ class DraftExtendKind:
             graph.staging.buffers["hidden"].dtype)
         targets = torch.cat([probe.kv.rows.table[r.row, e - a:e] for r, e, a
                              in zip(reqs, ends.tolist(), lens.tolist(), strict=True)])
-        accepted = DraftExtendInput(hidden, ids, lens)
+        accepted = on_device(DraftExtendInput(hidden, ids, lens), probe.device)
         if mode == "eager":
             return Prepared(lambda: extend_outputs(worker.eager_extend(reqs, accepted)), targets,
                             len(reqs))

@@ -158,7 +158,7 @@ class RefGraphProbe(ProbeWorld):
     def digests(self, targets: torch.Tensor, kind: str) -> dict[str, str]:
         """"kv": every KV pool outside ``targets`` and the dummy page; "request_rows": the row
         table; "allocator": the free page list and the free row count."""
-        skip = torch.arange(self.kv.page_size)
+        skip = torch.arange(self.kv.page_size, device=self.kv.rows.table.device)
         if self.writes_kv(kind):
             skip = torch.cat([skip, targets.reshape(-1)])
         alloc = self.kv.allocator.backup_state()

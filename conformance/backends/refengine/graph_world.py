@@ -214,6 +214,11 @@ class ProbeWorld:
                             self.kv.rows.free_rows)
         return self._world
 
+    @property
+    def device(self) -> torch.device:
+        """Where the engine's tensors live (the row table's device)."""
+        return self.kv.rows.table.device
+
     def _pools(self) -> list[torch.Tensor]:
         pools = [self.kv.target_pool.k, self.kv.target_pool.v]
         if self.kv.draft_pool is not None:
@@ -224,14 +229,15 @@ class ProbeWorld:
         """Seeded noise in every slot no request holds, outside the dummy page: a stray write
         there then changes bytes whatever it writes. Finite, because real rows' masked key
         columns may point at such slots and a masked key still multiplies its value by 0."""
-        held = torch.zeros(self.kv.target_pool.k.shape[1], dtype=torch.bool)
+        held = torch.zeros(self.kv.target_pool.k.shape[1], dtype=torch.bool,
+                           device=self.kv.rows.table.device)
         held[:self.kv.page_size] = True
         for r in reqs:
             held[self.kv.rows.table[r.row, :r.kv_allocated_len]] = True
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed)  # drawn on the CPU: the same noise anywhere
         for pool in self._pools():
             shape = (pool.shape[0], int((~held).sum()), *pool.shape[2:])
-            pool[:, ~held] = torch.randn(shape, generator=gen).to(pool.dtype)
+            pool[:, ~held] = torch.randn(shape, generator=gen).to(pool.device, pool.dtype)
 
     def _restore(self, world: World) -> None:
         for pool, saved in zip(self._pools(), world.pools, strict=True):
