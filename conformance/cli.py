@@ -23,6 +23,7 @@ from conformance.report.durations import cmd_durations
 from conformance.report.merge import cmd_merge
 from conformance.repro.command import cmd_repro
 from conformance.run.certify import cmd_certify
+from conformance.run.device import DEVICE_HELP, device_arg
 from conformance.run.interrupt_redelivery import keep_interrupts
 from conformance.run.mutants import cmd_mutants
 from conformance.run.quick_exit import exit_now
@@ -98,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="override the spec configurations' draft model")
     certify.add_argument("--graphs", default=None, choices=GRAPH_EXECUTORS,
                          help="run the backend's forwards through its graph runner with this "
-                              "executor (the backend must claim graph_runner); default: eager")
+                              "executor (the backend must claim graph_runner; cuda: CUDA "
+                              "graphs, with --device cuda); default: eager")
+    certify.add_argument("--device", default="cpu", type=device_arg, help=DEVICE_HELP)
     certify.add_argument("--case-timeout", type=_seconds, default=None, metavar="SECONDS",
                          help="each phase of a check (set-up, run, teardown) that takes longer "
                               "fails with the backend call it was in; 0: no limit; default by "
@@ -153,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="as for certify")
     mutants.add_argument("--model", default="tiny-code", help="fixture name or model directory")
     mutants.add_argument("--only", default="", help="comma-separated mutant names (unset: all)")
+    mutants.add_argument("--device", default="cpu", type=device_arg, help=DEVICE_HELP)
     mutants.add_argument("--json", action="store_true", help="print the results as JSON")
     mutants.set_defaults(func=cmd_mutants)
 

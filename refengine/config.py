@@ -14,7 +14,7 @@ from specwire.params import SPEC_ALGORITHMS, SamplingParams, SpecConfig, is_int,
 
 __all__ = ["GRAPH_EXECUTORS", "SPEC_ALGORITHMS", "EngineConfig", "SamplingParams", "SpecConfig"]
 
-GRAPH_EXECUTORS = ("compiled", "frozen", "replay")  # EngineConfig.graph_executor's values
+GRAPH_EXECUTORS = ("compiled", "frozen", "replay", "cuda")  # EngineConfig.graph_executor's values
 
 
 @dataclass(frozen=True)
