@@ -183,7 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override the spec configurations' draft model")
     bench.add_argument("--graphs", default=None, choices=GRAPH_EXECUTORS,
                        help="also run each lane of a backend claiming graph_runner through its "
-                            "graph runner with this executor, in a lane of its own")
+                            "graph runner with this executor, in a lane of its own (cuda: CUDA "
+                            "graphs, with --device cuda)")
+    bench.add_argument("--device", default="cpu", type=device_arg,
+                       help="where every backend runs: cpu, cuda or cuda:N; on CUDA the table "
+                            "adds device time per step, capture cost and GPU memory")
     bench.set_defaults(func=cmd_bench)
 
     repro = sub.add_parser("repro", formatter_class=fmt, help="replay a repro file (a failing "

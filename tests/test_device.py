@@ -63,6 +63,8 @@ def test_a_cuda_device_torch_sees_is_accepted() -> None:
     (["certify", "--device", "cuda:0", "--graphs", "cuda"], ["--device cuda:0"]),
     (["certify", "--graphs", "cuda"], ["--graphs cuda", "add --device cuda"]),
     (["certify", "--device", "gpu"], ["--device", "expected cpu, cuda or cuda:N"]),
+    (["bench", "--device", "cuda"], ["--device cuda", "no CUDA device"]),
+    (["bench", "--graphs", "cuda"], ["--graphs cuda"]),
     (["mutants", "--device", "cuda", "--only", "bonus_tokens_not_restaged"],
      ["--device cuda", "no CUDA device"]),
 ])
