@@ -45,7 +45,7 @@ ENGINE_BAD: list[tuple[str, Any]] = [
     ("device", "tpu"), ("device", ""), ("device", None), ("device", 0),
     ("dtype", "float64"), ("dtype", "fp32"), ("dtype", None),
     ("strict_mem_check", 1), ("strict_mem_check", "yes"), ("strict_mem_check", None),
-    ("cuda_graph", 1), ("cuda_graph", "yes"), ("graph_executor", "cuda"), ("graph_executor", None),
+    ("cuda_graph", 1), ("cuda_graph", "yes"), ("graph_executor", "trt"), ("graph_executor", None),
     ("overlap_thread", 1), ("overlap_thread", None),
     ("seed", -1), ("seed", 0.5), ("seed", False), ("seed", None),
 ]
