@@ -50,8 +50,10 @@ class BenchResult:
     device: str = "cpu"                # where the backends ran: "cpu" or the CUDA device's name
 
 
-# Up to this many ratios are columns of the tokens/s table; more (a spec's lanes with graph
-# twins beside a yardstick) get a table of their own, a row per ratio.
+# Up to this many lanes are columns of the tokens/s table, and up to this many ratios columns
+# beside them; more (a spec's lanes with graph twins beside a yardstick) turn the table: a row
+# per lane, and the ratios a table of their own, a row per ratio.
+INLINE_LANES = 4
 INLINE_RATIOS = 3
 
 
@@ -65,14 +67,21 @@ def format_table(result: BenchResult) -> str:
     lines.extend(f"  {name}: {result.versions.get(name, '?')}" for name in result.backends)
     pairs = ratio_pairs(result)
     inline = pairs if len(pairs) <= INLINE_RATIOS else []
-    columns = ["batch", *(f"{name} tok/s" for name in result.backends),
-               *(f"{a}/{b}" for a, b in inline)]
-    cells = [[str(row.batch_size),
-              *(f"{row.results[n].tokens_per_s:,.1f}" for n in result.backends),
-              *(_ratio(row.results[a].tokens_per_s, row.results[b].tokens_per_s)
-                for a, b in inline)]
-             for row in result.rows]
-    lines.extend(_aligned(columns, cells))
+    if len(result.backends) <= INLINE_LANES:
+        columns = ["batch", *(f"{name} tok/s" for name in result.backends),
+                   *(f"{a}/{b}" for a, b in inline)]
+        cells = [[str(row.batch_size),
+                  *(f"{row.results[n].tokens_per_s:,.1f}" for n in result.backends),
+                  *(_ratio(row.results[a].tokens_per_s, row.results[b].tokens_per_s)
+                    for a, b in inline)]
+                 for row in result.rows]
+        lines.extend(_aligned(columns, cells))
+    else:  # one row per lane, one column per batch size
+        inline = []
+        lines.extend(_aligned(["lane", *(f"batch {row.batch_size} tok/s" for row in result.rows)],
+                              [[name, *(f"{row.results[name].tokens_per_s:,.1f}"
+                                        for row in result.rows)] for name in result.backends],
+                              left_first=True))
     if pairs and not inline:  # one row per ratio, one column per batch size
         lines.append("")
         lines.extend(_aligned(["ratio", *(f"batch {row.batch_size}" for row in result.rows)],
