@@ -23,6 +23,7 @@ from conformance.report.durations import cmd_durations
 from conformance.report.merge import cmd_merge
 from conformance.repro.command import cmd_repro
 from conformance.run.certify import cmd_certify
+from conformance.run.device import DEVICE_HELP, device_arg
 from conformance.run.interrupt_redelivery import keep_interrupts
 from conformance.run.mutants import cmd_mutants
 from conformance.run.quick_exit import exit_now
@@ -98,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="override the spec configurations' draft model")
     certify.add_argument("--graphs", default=None, choices=GRAPH_EXECUTORS,
                          help="run the backend's forwards through its graph runner with this "
-                              "executor (the backend must claim graph_runner); default: eager")
+                              "executor (the backend must claim graph_runner; cuda: CUDA "
+                              "graphs, with --device cuda); default: eager")
+    certify.add_argument("--device", default="cpu", type=device_arg, help=DEVICE_HELP)
     certify.add_argument("--case-timeout", type=_seconds, default=None, metavar="SECONDS",
                          help="each phase of a check (set-up, run, teardown) that takes longer "
                               "fails with the backend call it was in; 0: no limit; default by "
@@ -153,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="as for certify")
     mutants.add_argument("--model", default="tiny-code", help="fixture name or model directory")
     mutants.add_argument("--only", default="", help="comma-separated mutant names (unset: all)")
+    mutants.add_argument("--device", default="cpu", type=device_arg, help=DEVICE_HELP)
     mutants.add_argument("--json", action="store_true", help="print the results as JSON")
     mutants.set_defaults(func=cmd_mutants)
 
@@ -179,7 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override the spec configurations' draft model")
     bench.add_argument("--graphs", default=None, choices=GRAPH_EXECUTORS,
                        help="also run each lane of a backend claiming graph_runner through its "
-                            "graph runner with this executor, in a lane of its own")
+                            "graph runner with this executor, in a lane of its own (cuda: CUDA "
+                            "graphs, with --device cuda)")
+    bench.add_argument("--device", default="cpu", type=device_arg,
+                       help="where every backend runs: cpu, cuda or cuda:N; on CUDA the table "
+                            "adds device time per step, capture cost and GPU memory")
     bench.set_defaults(func=cmd_bench)
 
     repro = sub.add_parser("repro", formatter_class=fmt, help="replay a repro file (a failing "

@@ -10,6 +10,8 @@ import pytest
 
 from conformance.bench import lanes as bench_lanes
 from conformance.bench import measure
+from conformance.bench import result as bench_result_module
+from conformance.bench.device import DeviceMeter
 from conformance.bench.lanes import parse_batch_sizes
 from conformance.bench.measure import run_bench
 from conformance.bench.result import (
@@ -106,9 +108,9 @@ def test_repeats_keep_each_groups_fastest_run(random_model_dir: Path,
     tags: list[str] = []
 
     def scripted(handle: object, prompts: list[tuple[int, ...]], max_new_tokens: int,
-                 tag: str) -> tuple[int, float, list[list[int]]]:
+                 tag: str, meter: object = None) -> measure.BatchRun:
         tags.append(tag)
-        return max_new_tokens * len(prompts), seconds.get(tag, 0.01), [[]]
+        return measure.BatchRun(max_new_tokens * len(prompts), seconds.get(tag, 0.01), [[]], 1)
 
     monkeypatch.setattr(measure, "_run_batch", scripted)
     result = run_bench(["refengine"], [1], 2, "none", Recorder(),
@@ -122,7 +124,8 @@ def test_repeats_keep_each_groups_fastest_run(random_model_dir: Path,
 def test_repeats_that_disagree_are_refused(random_model_dir: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     counts = iter([2, 2, 3])  # warm-up, then two repeats of one group emitting different counts
-    monkeypatch.setattr(measure, "_run_batch", lambda *_: (next(counts), 1.0, [[]]))
+    monkeypatch.setattr(measure, "_run_batch",
+                        lambda *_: measure.BatchRun(next(counts), 1.0, [[]], 1))
     with pytest.raises(RuntimeError, match="repeats of one group emitted different"):
         run_bench(["refengine"], [1], 2, "none", Recorder(), model=str(random_model_dir),
                   repeats=2)
@@ -203,3 +206,73 @@ def test_the_fastest_lane_is_set_against_each_yardstick() -> None:
     assert ("batch 1: fastest lane mtp-chain+frozen (1,100.0 tok/s) = 0.80x ctranslate2, "
             "4.00x hf") in format_table(result).splitlines()
     assert bench_lanes.lanes_for("mtp", ["refengine", "ctranslate2"])[-1].label == "ctranslate2"
+
+
+def test_with_a_spec_graph_twins_are_set_beside_their_eager_lanes_and_yardsticks() -> None:
+    """The GPU bench's ratios: each twin over its eager lane (graphs/eager), a configuration's
+    twin over plain decoding's twin (the speedup with graphs), plain's twin over hf."""
+    lanes = ["plain", "plain+cuda", "chain-s3-n4", "chain-s3-n4+cuda", "hf"]
+    result = BenchResult("eagle", "m", 4, 1, lanes, {}, yardsticks=["hf"])
+    assert ratio_pairs(result) == [
+        ("plain+cuda", "plain"), ("chain-s3-n4", "plain"), ("chain-s3-n4+cuda", "chain-s3-n4"),
+        ("chain-s3-n4+cuda", "plain+cuda"), ("hf", "plain"), ("plain+cuda", "hf")]
+    speeds = dict(zip(lanes, (100.0, 400.0, 150.0, 900.0, 50.0), strict=True))
+    for b in (1, 32):
+        result.rows.append(BenchRow(b, {n: BackendTiming(v * b, 64, 64 / v) for n, v in
+                                        speeds.items()}))
+    lines = format_table(result).splitlines()
+    # more lanes and ratios than fit side by side: a row per lane, then a row per ratio, a
+    # column per batch size in both
+    assert [ln.split() for ln in lines if ln.startswith(("lane ", "chain-s3-n4+cuda "))] == [
+        ["lane", "batch", "1", "tok/s", "batch", "32", "tok/s"],
+        ["chain-s3-n4+cuda", "900.0", "28,800.0"]]
+    assert [ln.split() for ln in lines if ln.startswith(("ratio ", "chain-s3-n4+cuda/plain+"))
+            ] == [["ratio", "batch", "1", "batch", "32"],
+                  ["chain-s3-n4+cuda/plain+cuda", "2.25x", "2.25x"]]
+
+
+def test_step_split_and_the_device_lines() -> None:
+    """ms per step from the phase clock; on a CUDA device also the kernels' time, the host
+    share, capture cost and peak memory; a CPU result prints none of it."""
+    t = BackendTiming(100.0, 40, 0.4, phase_seconds={"schedule": 0.04, "decode": 0.2,
+                                                     "prefill": 0.06},
+                      steps=40, device_seconds=0.1, held_gpu_bytes=2**20,
+                      peak_gpu_bytes=3 * 2**20,
+                      capture_seconds=1.5)
+    assert bench_result_module.step_split(t) == pytest.approx(
+        {"step": 10.0, "schedule": 1.0, "forwards": 6.5, "resolve": 2.5, "device": 2.5,
+         "host share": 75.0})
+    assert bench_result_module.step_split(BackendTiming(1.0, 1, 1.0)) == {}
+    hf_like = BackendTiming(100.0, 40, 0.4, steps=1, device_seconds=0.3)
+    assert bench_result_module.step_split(hf_like) == pytest.approx(
+        {"step": 400.0, "device": 300.0, "host share": 25.0})
+    result = BenchResult("none", "m", 4, 1, ["refengine+cuda"], {}, device="NVIDIA H100")
+    result.rows.append(BenchRow(1, {"refengine+cuda": t}))
+    table = format_table(result)
+    assert "device=NVIDIA H100" in table.splitlines()[0]
+    assert ("  batch   1 refengine+cuda: step 10.000, schedule 1.000, forwards 6.500, resolve "
+            "2.500, device 2.500, host share 75.0%, capture 1.50 s, holds 1.0 MiB, "
+            "peak 3.0 MiB") in table
+    cpu = BenchResult("none", "m", 4, 1, ["refengine"], {})
+    cpu.rows.append(BenchRow(1, {"refengine": t}))
+    assert "host share" not in format_table(cpu)
+
+
+def test_the_device_meter_does_nothing_on_the_cpu() -> None:
+    meter = DeviceMeter("cpu")
+    meter.sync()
+    meter.reset_peak()
+    assert meter.peak_bytes() is None and meter.allocated_bytes() is None
+    assert meter.name() == "cpu"
+    assert meter.kernel_seconds(lambda: pytest.fail("profiled on a CPU")) is None
+
+
+def test_a_cpu_bench_counts_steps_and_records_no_device_figures(random_model_dir: Path) -> None:
+    result = run_bench(["refengine"], [2], 4, "none", Recorder(), model=str(random_model_dir),
+                       graphs="replay", device="cpu")
+    assert result.device == "cpu"
+    for t in result.rows[0].results.values():
+        assert t.steps >= 4  # a prefill and a decode step per token at least
+        assert (t.device_seconds, t.held_gpu_bytes, t.peak_gpu_bytes) == (None, None, None)
+    assert result.rows[0].results["refengine"].capture_seconds is None
+    assert result.rows[0].results["refengine+replay"].capture_seconds is not None

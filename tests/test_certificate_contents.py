@@ -126,3 +126,51 @@ def test_the_plugin_records_the_configurations_and_precision(
     assert written["precision"] == "float32" and written["case_timeout"] == 300.0
     md = render_markdown(build_certificate(written))
     assert "| `plain` | none | — | — | — | — | — | — | — |" in md
+
+
+def test_the_environment_on_the_cpu(tmp_path: Path) -> None:
+    """A CPU run records device "cpu", no CUDA or driver version, the dtype and torch's TF32
+    settings, in report.json and report.md."""
+    from conformance.report.environment import run_environment
+
+    env = run_environment("cpu", "bfloat16", driver=lambda: pytest.fail("no driver on a CPU"))
+    assert env["device"] == "cpu" and env["cuda"] is None and env["driver"] is None
+    assert env["dtype"] == "bfloat16"
+    assert isinstance(env["tf32_matmul"], bool) and isinstance(env["tf32_cudnn"], bool)
+    assert env["float32_matmul_precision"] in ("highest", "high", "medium")
+    write_reports(build_certificate({**RESULTS, "device": "cpu", "environment": env}), tmp_path)
+    cert = json.loads((tmp_path / "report.json").read_text())
+    assert cert["device"] == "cpu"
+    assert {k: cert["environment"][k] for k in env} == env
+    assert cert["environment"]["threads per check"] == "unknown"  # the old entries stay
+    md = (tmp_path / "report.md").read_text()
+    assert "graphs: `off`, device: `cpu`" in md
+    assert "- cuda: none" in md and "- driver: none" in md and "- dtype: bfloat16" in md
+
+
+def test_the_environment_on_a_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from conformance.report.environment import run_environment
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"GPU {device}")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    env = run_environment("cuda:0", "float32", driver=lambda: "570.1")
+    assert (env["device"], env["cuda"], env["driver"]) == ("GPU cuda:0", "12.8", "570.1")
+
+
+def test_the_driver_version_without_nvidia_smi() -> None:
+    import subprocess
+
+    from conformance.report.environment import driver_version
+
+    def missing(*_: object, **__: object) -> subprocess.CompletedProcess[str]:
+        raise FileNotFoundError("nvidia-smi")
+
+    def answers(code: int, text: str):  # type: ignore[no-untyped-def]
+        return lambda argv, **_: subprocess.CompletedProcess(argv, code, text, "")
+
+    assert driver_version(missing) == "unknown"
+    assert driver_version(answers(0, "570.124.06\n570.124.06\n")) == "570.124.06"
+    assert driver_version(answers(9, "570.124.06\n")) == "unknown"
+    assert driver_version(answers(0, "\n")) == "unknown"

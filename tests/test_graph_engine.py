@@ -118,7 +118,7 @@ def test_graph_executor_is_validated() -> None:
     from refengine import EngineConfig
 
     with pytest.raises(ValueError, match=r"^graph_executor: "):
-        EngineConfig(cuda_graph=True, graph_executor="cuda")  # type: ignore[arg-type]
+        EngineConfig(cuda_graph=True, graph_executor="tensorrt")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("executor", ["replay", pytest.param("compiled", marks=pytest.mark.slow)])

@@ -122,6 +122,7 @@ def test_multi_spec_shards_must_hold_the_same_specs(capsys: pytest.CaptureFixtur
     ({"shard": None}, "some of the certificates are shards"),
     ({"checks": A}, "overlapping shards: test_a.py::one"),
     ({"selection": "-k 'x'"}, "different selections"),
+    ({"device": "cuda"}, "different devices"),
 ])
 def test_shards_that_do_not_belong_together_are_refused(
         capsys: pytest.CaptureFixture[str], tmp_path: Path, change: dict[str, object],

@@ -3,7 +3,8 @@
 It is an independent second implementation of the target model (HF's Llama and KV cache, not
 refengine's paged one), which is what makes it useful: greedy output equal to refengine's token
 for token is evidence that both forwards are right, and ``specgate bench`` uses it as the speed
-yardstick. It claims no stepwise progress, abort, sessions or KV accounting.
+yardstick. It claims no stepwise progress, abort, sessions or KV accounting. It runs on
+``OpenConfig.device`` (weights and inputs there; sampled draws on the CPU, as refengine's).
 
 With ``OpenConfig.spec.algorithm == "draft_model"`` it runs assisted generation, one request at
 a time: the draft model (HF's, with a ``DynamicCache`` of its own) proposes ``num_steps`` greedy
@@ -77,6 +78,7 @@ class HFHandle(QueuedHandle):
         self.assistant = assistant
         self.tokenizer = tokenizer
         self.engine_seed = engine_seed
+        self.device = next(model.parameters()).device  # inputs go where the weights are
 
     def make_job(self, req: Request, rule: FinishRule) -> QueuedJob:
         # refengine's derivation, so unseeded sampled requests also agree across backends.
@@ -109,8 +111,8 @@ class HFHandle(QueuedHandle):
         tokens = torch.argmax(logits, dim=-1).tolist()
         for b, job in enumerate(jobs):
             p = job.req.params
-            if not p.greedy:
-                probs = sampling_probs(logits[b], p)
+            if not p.greedy:  # refengine's draw, on the CPU like refengine's sampler
+                probs = sampling_probs(logits[b].cpu(), p)
                 tokens[b] = sample_one(probs, job.seed, len(job.output_ids))
         return tokens
 
@@ -131,6 +133,7 @@ class HFHandle(QueuedHandle):
             input_ids[b, width - n:] = torch.tensor(job.req.prompt_ids)
             mask[b, width - n:] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        input_ids, mask, positions = (t.to(self.device) for t in (input_ids, mask, positions))
         cache = DynamicCache(config=self.model.config)
         live = list(jobs)
         while live:
@@ -144,12 +147,12 @@ class HFHandle(QueuedHandle):
             if not keep:
                 return
             if len(keep) < len(live):
-                index = torch.tensor(keep)
+                index = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(index)
                 mask, positions = mask[index], positions[index]
                 live = [live[b] for b in keep]
                 tokens = [tokens[b] for b in keep]
-            input_ids = torch.tensor(tokens)[:, None]
+            input_ids = torch.tensor(tokens, device=self.device)[:, None]
             mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
             positions = positions[:, -1:] + 1
 
@@ -159,8 +162,9 @@ class HFHandle(QueuedHandle):
     def _forward(self, model: torch.nn.Module, ids: list[int], start: int,
                  cache: DynamicCache) -> torch.Tensor:
         """``ids`` at positions ``start ..`` after what ``cache`` holds -> their float logits."""
-        out = model(input_ids=torch.tensor([ids]), position_ids=torch.arange(
-            start, start + len(ids))[None], use_cache=True, **{_CACHE_ARG: cache})
+        out = model(input_ids=torch.tensor([ids], device=self.device), position_ids=torch.arange(
+            start, start + len(ids), device=self.device)[None], use_cache=True,
+                    **{_CACHE_ARG: cache})
         return out.logits[0].float()
 
     @torch.inference_mode()
@@ -207,7 +211,7 @@ class HFHandle(QueuedHandle):
             while accepted < steps and chain[accepted + 1] == best[accepted]:
                 accepted += 1
             return accepted, best[accepted]
-        probs = torch.stack([sampling_probs(row, p) for row in logits])
+        probs = torch.stack([sampling_probs(row, p) for row in logits.cpu()])
         n = len(chain)
         path = verify_tree_sampling(chain, [*range(1, n), -1], [-1] * n, probs, steps,
                                     job.seed, len(job.output_ids))
@@ -241,14 +245,29 @@ class HFBackend:
         if spec is not None and spec.algorithm != "draft_model":
             raise ValueError(f"spec: the hf backend supports plain decoding and draft_model "
                              f"only, got {spec.algorithm!r}")
+        device = _torch_device(cfg.device)
         path: Path = resolve_model_dir(cfg.model)
         transformers.utils.logging.disable_progress_bar()  # a loading bar per open is noise
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
         tokenizer = AutoTokenizer.from_pretrained(path)
         assistant = None if spec is None else _Assistant(
             AutoModelForCausalLM.from_pretrained(resolve_model_dir(spec.draft_model),
-                                                 dtype=torch.float32).eval(), spec.num_steps)
+                                                 dtype=torch.float32).eval().to(device),
+            spec.num_steps)
         return HFHandle(model, tokenizer, cfg.seed, cfg.max_running_requests, assistant)
+
+
+def _torch_device(name: str) -> torch.device:
+    """``OpenConfig.device`` as a torch device; ValueError (one line) where torch has no such
+    CUDA device."""
+    if name != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"device: the hf backend cannot run on {name!r}: torch sees no CUDA "
+                         "device")
+    device = torch.device(name)
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device: the hf backend cannot run on {name!r}: torch sees "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def backend() -> HFBackend:

@@ -14,7 +14,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from conformance.bench.measure import run_bench
     from conformance.bench.result import format_table
     from conformance.report.progress import Steps
+    from conformance.run.device import device_problem
 
+    problem = device_problem(args.device, args.graphs)
+    if problem:
+        raise UsageError(problem)
     backends = [b for b in (args.backends or ("refengine,hf" if args.spec == "none"
                                                else "refengine")).split(",") if b]
     loaded = validate(args.spec, backends, args.model, args.draft_model)
@@ -28,7 +32,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                max_new_tokens=args.max_new_tokens, spec=args.spec,
                                progress=steps, model=args.model, draft_model=args.draft_model,
                                min_requests=args.min_requests, repeats=args.repeats,
-                               graphs=args.graphs)
+                               graphs=args.graphs, device=args.device)
     except (ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
     print(format_table(result))

@@ -96,9 +96,11 @@ class ReferenceOracle:
 
     @cached_property
     def engine(self) -> Engine:
-        """The unmodified reference engine, started only when something needs it."""
+        """The unmodified reference engine, started only when something needs it: in float32
+        on the CPU whatever device the backend under test runs on (certify --device), so every
+        device is judged against one reference."""
         return Engine(EngineConfig(model=self.model, kv_pool_tokens=8192,
-                                   max_running_requests=4))
+                                   max_running_requests=4, device="cpu", dtype="float32"))
 
     @cached_property
     def _tokenizer(self) -> Tokenizer:

@@ -14,6 +14,7 @@ from conformance.contract.adapter import (
     EngineHandle,
     OpenConfig,
     Request,
+    is_device_name,
     unclaimed_reasons,
 )
 from conformance.contract.graph_probe import (
@@ -46,5 +47,5 @@ __all__ = [
     "GraphCase", "GraphProbe", "GraphRun", "KernelImpls", "KeyWidthProbe", "MemoryView", "Mode",
     "OpenConfig", "PaddingPolicy", "PhaseRecord", "ReqKV", "Request", "RetractEvent",
     "SamplingParams", "SpecConfig", "TokenEvent", "VerifyGreedy", "WorkerHooks",
-    "unclaimed_reasons",
+    "is_device_name", "unclaimed_reasons",
 ]

@@ -89,6 +89,21 @@ class OpenConfig:
     # refengine "replay" or "compiled"); None: eager. Asked only of backends claiming
     # ``graph_runner`` (certify --graphs).
     graph_executor: str | None = None
+    # Where the backend runs: "cpu", "cuda" or "cuda:N" (certify --device). A backend that
+    # cannot run on the device raises ValueError from ``open`` with a one-line reason.
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if not is_device_name(self.device):
+            raise ValueError(f"device: expected cpu, cuda or cuda:N, got {self.device!r}")
+
+
+def is_device_name(name: object) -> bool:
+    """``cpu``, ``cuda`` or ``cuda:N`` (N a non-negative integer)."""
+    if name in ("cpu", "cuda"):
+        return True
+    return (isinstance(name, str) and name.startswith("cuda:")
+            and name[5:].isdigit() and name[5:].isascii())
 
 
 @dataclass(frozen=True)

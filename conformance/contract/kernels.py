@@ -10,7 +10,10 @@ tokens, positions, mask, retrieve_*; ``GreedyVerifyResult``), so the tier can co
 field against the reference. ``None`` for a kernel means "this backend has no such kernel"
 (also reported as not claimed). A backend whose kernels exist but cannot run in this process
 (Triton without a GPU or its interpreter) says so in ``unavailable``: the tier reports its
-checks not applicable with that reason. Handing out the torch references instead would make
+checks not applicable with that reason. ``device`` is where the kernels take their inputs
+(compiled GPU kernels: "cuda"); the tier builds every case on the CPU, hands the kernels its
+inputs on that device (or on the run's ``--device`` when this says "cpu") and compares their
+outputs with the references on the CPU. Handing out the torch references instead would make
 the tier compare the references with themselves, a pass that checks nothing.
 """
 
@@ -36,3 +39,4 @@ class KernelImpls:
     build_tree: BuildTree | None
     verify_greedy: VerifyGreedy | None
     unavailable: str | None = None  # why the kernels cannot run here (None: they can)
+    device: str = "cpu"  # where the kernels take their inputs: "cpu", "cuda" or "cuda:N"

@@ -63,12 +63,13 @@ class Certificate:
     tiers: list[TierSummary]
     status: str                # "passed" | "failed" | "incomplete" (interrupted)
     vacuous: str | None
-    environment: dict[str, str]
+    environment: dict[str, object]  # where it ran (device, CUDA, driver, dtype, TF32 too)
     created: str
     checks: list[dict[str, object]]
     matrix: dict[str, dict[str, str]]  # capability -> tier -> status of checks needing it
     interrupted: bool = False
     graphs: str | None = None  # the backend's graph executor the run asked for (None: eager)
+    device: str = "cpu"  # where the run asked the backend to run (--device)
     # capability -> why the backend does not claim it (Backend.unclaimed_reasons, optional)
     unclaimed_reasons: dict[str, str] = field(default_factory=dict)
     precision: str = "float32"  # what the backend declares (Capabilities.precision)
@@ -119,12 +120,13 @@ def _status(counts: Counter[str]) -> str:
     return "skipped"
 
 
-def _environment(threads: list[int]) -> dict[str, str]:
+def _environment(threads: list[int], run: dict[str, object]) -> dict[str, object]:
     """Where the checks ran; ``threads``: the torch intra-op thread counts they ran with (in
-    the processes that ran them, which under ``-n`` are not this one)."""
+    the processes that ran them, which under ``-n`` are not this one); ``run``: the run's
+    device record (``conformance.report.environment``)."""
     return {"python": platform.python_version(), "torch": torch.__version__,
             "platform": platform.platform(),
-            "threads per check": ", ".join(map(str, threads)) or "unknown"}
+            "threads per check": ", ".join(map(str, threads)) or "unknown", **run}
 
 
 def _not_run(rows: list[dict[str, object]]) -> dict[str, int]:
@@ -177,11 +179,13 @@ def build_certificate(results: dict[str, object]) -> Certificate:
         status=("incomplete" if interrupted else
                 "failed" if failed or not summaries else "passed"),
         vacuous=vacuous or (None if summaries or interrupted else "zero checks collected"),
-        environment=_environment(list(results.get("threads", []))),  # type: ignore[call-overload]
+        environment=_environment(list(results.get("threads", [])),  # type: ignore[call-overload]
+                                 dict(results.get("environment", {}))),  # type: ignore[call-overload]
         created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ"),
         checks=every_row, matrix=matrix, interrupted=interrupted,
         unclaimed_reasons=dict(results.get("unclaimed_reasons", {})),  # type: ignore[call-overload]
         graphs=results.get("graphs"),  # type: ignore[arg-type]
+        device=str(results.get("device", "cpu")),
         precision=str(results.get("precision", "float32")),
         configurations=config_runs(list(results.get("configurations", [])),  # type: ignore[call-overload]
                                    checks),
@@ -258,7 +262,8 @@ def certified_lines(cert: Certificate) -> list[str]:
     out = ["## What was certified", "",
            f"- backend: `{b['name']}` version `{b['version']}`",
            f"- precision the backend declares: `{cert.precision}`",
-           f"- spec: `{cert.spec}`, profile: `{cert.profile}`, graphs: `{cert.graphs or 'off'}`",
+           f"- spec: `{cert.spec}`, profile: `{cert.profile}`, graphs: `{cert.graphs or 'off'}`, "
+           f"device: `{cert.device}`",
            f"- case timeout: {timeout}",
            f"- near-ties: {len(cert.near_ties)}", ""]
     if cert.configurations:
@@ -328,7 +333,7 @@ def render_markdown(cert: Certificate, where: Path = Path(".")) -> str:
     out = [f"# specgate certificate: {b['name']} {b['version']}", "",
            f"- result: **{headline(cert)}**",
            f"- spec: `{cert.spec}`, profile: `{cert.profile}`, graphs: "
-           f"`{cert.graphs or 'off'}`",
+           f"`{cert.graphs or 'off'}`, device: `{cert.device}`",
            f"- backend resolved from: `{b['resolved_from']}`",
            f"- specgate: `{cert.specgate_version or 'unknown'}`"
            + (f", shard: `{cert.shard}`" if cert.shard else "")
@@ -361,7 +366,8 @@ def render_markdown(cert: Certificate, where: Path = Path(".")) -> str:
     out += known_lines(cert.known_failures)
     out += acceptance_lines(cert)
     out += figures_lines(cert.checks)
-    out += ["## Environment", ""] + [f"- {k}: {v}" for k, v in cert.environment.items()]
+    out += ["## Environment", ""] + [f"- {k}: {'none' if v is None else v}"
+                                     for k, v in cert.environment.items()]
     return "\n".join(out) + "\n"
 
 

@@ -3,12 +3,12 @@ joined into one: report.md, report.json, junit.xml, acceptance.png and repro fil
 summary.md for a multi-spec run. Written like certify's (``ReportDir``: all or nothing).
 
 Shards must come from one run's set-up: the same specgate version, backend (name, version,
-where it was resolved from), profile, graphs, selection (``--only``/``-k``), specs, layout and
-shard count, each shard exactly once, and no check in two shards; anything else is refused
-before anything is written. The merged certificate is built from the shards' checks as certify
-builds one (a vacuous merge fails as a vacuous run does); known failures carry over, and an id
-is unknown only if no shard had it. As in certify, a spec in which the selection names no check
-in any shard gets no certificate.
+where it was resolved from), profile, graphs, device, selection (``--only``/``-k``), specs,
+layout and shard count, each shard exactly once, and no check in two shards; anything else is
+refused before anything is written. The merged certificate is built from the shards' checks as
+certify builds one (a vacuous merge fails as a vacuous run does); known failures carry over, and
+an id is unknown only if no shard had it. As in certify, a spec in which the selection names no
+check in any shard gets no certificate.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from conformance.run.usage import UsageError
 
 # what every shard of one run records alike
 SAME = (("specgate_version", "specgate versions"), ("backend", "backends"),
-        ("profile", "profiles"), ("graphs", "graph executors"),
+        ("profile", "profiles"), ("graphs", "graph executors"), ("device", "devices"),
         ("selection", "selections (--only, -k)"))
 _KINDS = ("known", "stale", "expired", "not_run")
 
@@ -122,6 +122,7 @@ def merged_results(group: Shards) -> dict[str, object]:
     return {
         "backend": first["backend"], "capabilities": first["capabilities"],
         "spec": group.spec, "profile": first["profile"], "graphs": first.get("graphs"),
+        "device": first.get("device", "cpu"),
         "unclaimed_reasons": first.get("unclaimed_reasons", {}),
         "configurations": [{"id": c["id"], **c["parameters"]}
                            for c in first.get("configurations", [])],  # type: ignore[attr-defined]

@@ -215,7 +215,7 @@ def _config(where: str, body: object) -> OpenConfig:
         kwargs["spec"] = _build(f"{where}.spec", SpecConfig,
                                 _fields(f"{where}.spec", spec, SpecConfig, frozenset()))
     for name, value in kwargs.items():
-        if name == "spec" or value is None or name in ("model", "graph_executor"):
+        if name == "spec" or value is None or name in ("model", "graph_executor", "device"):
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ReproFileError(f"{where}.{name}: expected an integer >= 0, got {value!r}")

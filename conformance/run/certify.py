@@ -115,12 +115,13 @@ def _certify_one(args: argparse.Namespace, spec: SpecChoice, out_dir: Path, fini
 
     sel = finish.selection
     console.print(f"specgate certify: backend {args.backend}, spec {spec.name}, profile "
-                  f"{args.profile}, graphs {args.graphs or 'off'}, {args.workers} worker(s)"
+                  f"{args.profile}, graphs {args.graphs or 'off'}, device {args.device}, "
+                  f"{args.workers} worker(s)"
                   + (f", {sel.describe()}" if sel else ""), markup=False)
     out_dir.mkdir(parents=True, exist_ok=True)
     junit = out_dir / "junit.xml"
     opts = SuiteOptions(args.backend, spec.name, args.profile, args.model, args.draft_model,
-                        workers=args.workers, graphs=args.graphs,
+                        workers=args.workers, graphs=args.graphs, device=args.device,
                         case_timeout=args.case_timeout, only=sel.only, keyword=sel.keyword,
                         shard=sel.shard, durations=args.durations,
                         repro_dir=str(out_dir))
@@ -184,9 +185,13 @@ def cmd_certify(args: argparse.Namespace) -> int:
     )
     from conformance.report.progress import stderr_console
     from conformance.report.report_dir import ReportDir, ReportDirError
+    from conformance.run.device import device_problem
     from conformance.run.specs import resolve_specs
 
     multi = args.spec in MULTI_SPEC
+    problem = device_problem(args.device, args.graphs)
+    if problem:
+        raise UsageError(problem)
     (backend,) = validate("all" if args.spec == "claimed" else args.spec, [args.backend],
                           args.model, args.draft_model)
     if args.graphs and not backend.capabilities().graph_runner:

@@ -38,6 +38,11 @@ def cmd_mutants(args: argparse.Namespace) -> int:
 
     zoo: dict[str, Mutant | SourceMutant] = {**CLASS_MUTANTS, **SOURCE_MUTANTS}
     names = list(zoo) if not args.only else args.only.split(",")
+    from conformance.run.device import device_problem
+
+    problem = device_problem(args.device, None)
+    if problem:
+        raise UsageError(problem)
     unknown = [n for n in names if n not in zoo]
     if unknown:
         raise UsageError(f"--only: unknown mutant(s) {unknown} (known: {', '.join(zoo)})")
@@ -52,7 +57,8 @@ def cmd_mutants(args: argparse.Namespace) -> int:
             spec = args.spec or zoo[name].spec
             steps.start(f"{name} (spec {spec})")
             opts = SuiteOptions(f"mutant:{name}", spec, args.profile, args.model,
-                                args.draft_model, stop_at_first_failure=True)
+                                args.draft_model, device=args.device,
+                                stop_at_first_failure=True)
             with tempfile.TemporaryDirectory() as tmp:
                 run = run_suite(opts, Path(tmp) / "results.json")
             if run.interrupted:

@@ -29,6 +29,7 @@ import torch
 from conformance.checks.oracle import ReferenceOracle
 from conformance.contract import Backend, Capabilities, OpenConfig, SpecConfig, unclaimed_reasons
 from conformance.report.certified import config_record
+from conformance.report.environment import run_environment
 from conformance.report.progress import tier_of
 from conformance.report.verdict import SELF_CHECK_MARK, vacuous_reason
 from conformance.repro.record import RecordedRuns, write_repro
@@ -38,6 +39,7 @@ from conformance.run.case_timeout import (
     default_seconds,
     native_grace,
 )
+from conformance.run.device import device_problem
 from conformance.run.interrupt_redelivery import keep_interrupts
 from conformance.run.native_watchdog import (
     WORKER_INPUT_KEY,
@@ -45,12 +47,12 @@ from conformance.run.native_watchdog import (
     crash_message,
     dump_path,
 )
+from conformance.run.options import add_suite_options
 from conformance.run.profiles import PROFILES, Profile
 from conformance.run.prompts import PromptCase, load_prompt_set
 from conformance.run.quick_exit import WorkerInterruptExit
 from conformance.run.registry import BackendError, load_backend
 from conformance.run.specs import SpecChoice, resolve_specs
-from refengine.config import GRAPH_EXECUTORS
 
 NOT_CLAIMED = "not claimed"
 LONG_TIER = "fuzz"
@@ -68,6 +70,7 @@ class SuiteContext:
     profile: Profile
     model: str = "tiny-code"
     graph_executor: str | None = None  # --specgate-graphs
+    device: str = "cpu"  # --specgate-device
     _oracle: ReferenceOracle | None = field(default=None, repr=False)
     _check: pytest.Item | None = field(default=None, repr=False)  # the suite check running now
     recorded: RecordedRuns = field(default_factory=RecordedRuns)  # its drivers, for a repro
@@ -78,9 +81,9 @@ class SuiteContext:
 
     def open_config(self, spec: SpecConfig | None, **limits: int) -> OpenConfig:
         """What every check opens the backend with: the model, ``spec``, the run's graph
-        executor, and the check's own limits."""
-        return replace(OpenConfig(model=self.model, spec=spec,
-                                  graph_executor=self.graph_executor), **limits)
+        executor and device, and the check's own limits."""
+        return replace(OpenConfig(model=self.model, spec=spec, graph_executor=self.graph_executor,
+                                  device=self.device), **limits)
 
     @property
     def oracle(self) -> ReferenceOracle:
@@ -102,31 +105,7 @@ class SuiteContext:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("specgate", "specgate conformance suite")
-    group.addoption("--specgate-backend", default=None,
-                    help="backend under test: an entry-point name (refengine, hf, "
-                         "ctranslate2) or module:factory; default $SPECGATE_BACKEND or refengine")
-    group.addoption("--specgate-spec", default="none",
-                    help="speculative configuration to certify (none, all)")
-    group.addoption("--specgate-profile", default="gate", choices=sorted(PROFILES),
-                    help="gate: quick CI subset; full: every configuration")
-    group.addoption("--specgate-model", default="tiny-code",
-                    help="target model: a fixture name or an HF-format directory")
-    group.addoption("--specgate-draft-model", default=None,
-                    help="override the spec configurations' draft model (fixture or directory)")
-    group.addoption("--specgate-graphs", default=None, choices=GRAPH_EXECUTORS,
-                    help="run the backend's forwards through its graph runner with this "
-                         "executor (backends claiming graph_runner)")
-    group.addoption("--specgate-case-timeout", default=None, type=float,
-                    help="seconds each phase of a check may take before it fails (0: no "
-                         "limit); default by profile: " + ", ".join(
-                             f"{p} {default_seconds(p, None):g}" for p in PROFILES)
-                         + ", four times that with --specgate-graphs compiled or frozen")
-    group.addoption("--specgate-results", default=None,
-                    help="write per-check results (JSON) here")
-    group.addoption("--specgate-repro-dir", default=None,
-                    help="a failing check writes its scenario to repro/<check-id>.json here "
-                         "(the report directory); unset: no repro files")
+    add_suite_options(parser)
 
 
 def _backend_name(config: pytest.Config) -> str:
@@ -180,9 +159,13 @@ def context(config: pytest.Config) -> SuiteContext:
         graphs = config.getoption("--specgate-graphs")
         if graphs and not caps.graph_runner:
             raise pytest.UsageError(f"--graphs: backend {name!r} does not claim graph_runner")
+        device = config.getoption("--specgate-device")
+        problem = device_problem(device, graphs)
+        if problem:
+            raise pytest.UsageError(problem)
         ctx = SuiteContext(name, backend, caps, spec,
                            PROFILES[config.getoption("--specgate-profile")],
-                           config.getoption("--specgate-model"), graphs)
+                           config.getoption("--specgate-model"), graphs, device)
         config._specgate_ctx = ctx  # type: ignore[attr-defined]
     return ctx
 
@@ -201,7 +184,7 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     claimed = ", ".join(f"{k}={v}" for k, v in ctx.caps.as_dict().items())
     return [f"specgate: backend {ctx.backend_name} ({ctx.backend.name} {ctx.backend.version}); "
             f"spec {ctx.spec.name}; profile {ctx.profile.name}; graphs "
-            f"{ctx.graph_executor or 'off'}",
+            f"{ctx.graph_executor or 'off'}; device {ctx.device}",
             f"specgate: capabilities: {claimed}"]
 
 
@@ -409,6 +392,8 @@ class ResultCollector:
                 "precision": str(getattr(ctx.caps, "precision", "float32")),
                 "case_timeout": case_timeout(self.config),
                 "threads": sorted({int(r["threads"]) for r in rows if "threads" in r}),
-                "profile": ctx.profile.name, "graphs": ctx.graph_executor, "vacuous": vacuous,
+                "profile": ctx.profile.name, "graphs": ctx.graph_executor, "device": ctx.device,
+                "environment": run_environment(ctx.device, ctx.caps.precision),
+                "vacuous": vacuous,
                 "interrupted": self.interrupted, "checks": rows,
             }, indent=1))

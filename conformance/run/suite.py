@@ -34,6 +34,7 @@ class SuiteOptions:
     model: str
     draft_model: str | None = None
     graphs: str | None = None         # the backend's graph executor (None: eager)
+    device: str = "cpu"               # where the backend runs (cpu, cuda, cuda:N)
     workers: int = 0                  # pytest-xdist workers; 0 runs in-process (where no
     #                                   native watchdog can end a check stuck in native code)
     stop_at_first_failure: bool = False
@@ -101,6 +102,8 @@ def suite_args(opts: SuiteOptions, results: Path, junit: Path | None) -> list[st
         args += ["--specgate-draft-model", opts.draft_model]
     if opts.graphs:
         args += ["--specgate-graphs", opts.graphs]
+    if opts.device != "cpu":
+        args += ["--specgate-device", opts.device]
     if junit is not None:
         args += ["--junitxml", str(junit)]
     if opts.case_timeout is not None:

@@ -10,12 +10,15 @@ accepted paths of every length, first-match among siblings and the depth cut all
 Example counts are small on purpose: on CPU these kernels run under Triton's interpreter, which
 costs tens of milliseconds per launch; shapes are biased to the largest trees instead. A backend
 whose kernels cannot run in this process (``KernelImpls.unavailable``) gets every check reported
-not applicable, with its reason.
+not applicable, with its reason. Kernels on a CUDA device (``KernelImpls.device``, or the run's
+``--device``) take every input there; the references run on the CPU, where the outputs are
+compared.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -53,7 +56,24 @@ def _impls(sg: SuiteContext, record_property: Callable[[str, object], None]) -> 
     if impls.unavailable:
         pytest.skip(f"not applicable: the backend's {impls.name} kernels cannot run here: "
                     f"{impls.unavailable}")
+    record_property("kernel_device", kernel_device(impls, sg.device))
     return impls
+
+
+def kernel_device(impls: KernelImpls, run_device: str) -> str:
+    """Where the kernels take their inputs: their own device, else the run's."""
+    return impls.device if impls.device != "cpu" else run_device
+
+
+def on_device(kernel: Callable[..., Any], device: str) -> Callable[..., Any]:
+    """``kernel`` called with its tensor arguments moved to ``device`` (as they are on the
+    CPU)."""
+    if device == "cpu":
+        return kernel
+
+    def call(*args: Any) -> Any:
+        return kernel(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+    return call
 
 
 def _mismatches(got: Tree | GreedyVerifyResult, want: Tree | GreedyVerifyResult,
@@ -75,14 +95,22 @@ def _mismatches(got: Tree | GreedyVerifyResult, want: Tree | GreedyVerifyResult,
     return bad
 
 
+def _verify(sg: SuiteContext, record_property: Callable) -> Callable[..., Any]:
+    impls = _impls(sg, record_property)
+    if impls.verify_greedy is None:
+        pytest.skip("not claimed: verify_greedy")
+    return on_device(impls.verify_greedy, kernel_device(impls, sg.device))
+
+
 def _tree(case: TreeCase) -> Tree:
     return build_tree_reference(case.root, case.cand_tokens, case.cand_parents, case.selected)
 
 
 def test_build_tree_matches_reference(sg: SuiteContext, record_property: Callable) -> None:
-    build = _impls(sg, record_property).build_tree
-    if build is None:
+    impls = _impls(sg, record_property)
+    if impls.build_tree is None:
         pytest.skip("not claimed: build_tree")
+    build = on_device(impls.build_tree, kernel_device(impls, sg.device))
 
     @CASES
     @given(case=tree_cases())
@@ -95,9 +123,7 @@ def test_build_tree_matches_reference(sg: SuiteContext, record_property: Callabl
 
 
 def test_verify_greedy_matches_reference(sg: SuiteContext, record_property: Callable) -> None:
-    verify = _impls(sg, record_property).verify_greedy
-    if verify is None:
-        pytest.skip("not claimed: verify_greedy")
+    verify = _verify(sg, record_property)
 
     @CASES
     @given(case=tree_cases())
@@ -114,9 +140,7 @@ def test_verify_greedy_matches_reference(sg: SuiteContext, record_property: Call
 def test_verify_greedy_published_vector(sg: SuiteContext, record_property: Callable) -> None:
     """sgl-kernel's own vector: a sibling taken at depth 1, a stop at the depth limit (row 0)
     and a stop at a leaf (row 1); the sibling chains are not in node order here."""
-    verify = _impls(sg, record_property).verify_greedy
-    if verify is None:
-        pytest.skip("not claimed: verify_greedy")
+    verify = _verify(sg, record_property)
     v = published_greedy_vector()
     got = verify(v.tokens, v.next_token, v.next_sibling, v.target_predict, v.max_depth)
     want = GreedyVerifyResult(v.accept_index, v.accept_len, v.bonus)

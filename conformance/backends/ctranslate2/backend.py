@@ -161,6 +161,19 @@ class CT2Handle(QueuedHandle):
                                f"{unfinished} finished")
 
 
+def _ct2_device(name: str) -> tuple[str, int]:
+    """``OpenConfig.device`` as CTranslate2's (device, device_index); ValueError (one line)
+    where this CTranslate2 build sees no such CUDA device."""
+    if name == "cpu":
+        return "cpu", 0
+    index = int(name.partition(":")[2] or 0)
+    count = ctranslate2.get_cuda_device_count()
+    if index >= count:
+        raise ValueError(f"device: the {NAME} backend cannot run on {name!r}: this CTranslate2 "
+                         f"build sees {count} CUDA device(s)")
+    return "cuda", index
+
+
 class CT2Backend:
     name = NAME
     version = ctranslate2.__version__
@@ -175,6 +188,7 @@ class CT2Backend:
         if cfg.spec is not None:
             raise ValueError(f"spec: the ctranslate2 backend decodes plainly only: "
                              f"{_NO_SPECULATION}")
+        device, index = _ct2_device(cfg.device)
         source: Path = resolve_model_dir(cfg.model)
         config = json.loads((source / "config.json").read_text())
         model_dir = converted_model_dir(source)
@@ -186,7 +200,7 @@ class CT2Backend:
         ctranslate2.set_random_seed(cfg.seed)
         # One batch at a time, since step() calls generate_batch synchronously.
         generator = _without_touching_torch_threads(lambda: ctranslate2.Generator(
-            str(model_dir), device="cpu", compute_type=COMPUTE_TYPE,
+            str(model_dir), device=device, device_index=index, compute_type=COMPUTE_TYPE,
             intra_threads=intra_threads(), inter_threads=1))
         tokenizer = Tokenizer.from_file(str(source / "tokenizer.json"))
         return CT2Handle(generator, vocabulary, tokenizer.decode,

@@ -85,8 +85,10 @@ class RefEngineBackend:
                   if (value := getattr(cfg, name)) is not None}
         return RefEngineHandle(self.engine_class(EngineConfig(
             model=cfg.model, spec=cfg.spec, **limits, seed=cfg.seed, strict_mem_check=True,
-            retract_every=cfg.retract_every, cuda_graph=cfg.graph_executor is not None,
-            graph_executor=cfg.graph_executor or "compiled")))
+            retract_every=cfg.retract_every, device=cfg.device,
+            cuda_graph=cfg.graph_executor is not None,
+            # unset: the engine's default executor for its device
+            **({"graph_executor": cfg.graph_executor} if cfg.graph_executor else {}))))
 
 
 def backend() -> RefEngineBackend:

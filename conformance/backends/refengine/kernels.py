@@ -7,6 +7,7 @@ from conformance.contract import KernelImpls
 from refengine.kernels.tree_triton import (
     NOT_RUNNABLE,
     build_tree_triton,
+    interpreter_enabled,
     triton_runnable,
     verify_tree_greedy_triton,
 )
@@ -17,8 +18,10 @@ __all__ = ["default_kernels_for_refengine", "triton_kernels", "triton_runnable"]
 def triton_kernels() -> KernelImpls:
     """The Triton kernels. Calling them raises ``RuntimeError`` where Triton cannot run (see
     ``triton_runnable``), so a backend should only hand these out when it can. Importing this
-    module never imports Triton: ``tree_triton`` does that on first use."""
-    return KernelImpls("triton", build_tree_triton, verify_tree_greedy_triton)
+    module never imports Triton: ``tree_triton`` does that on first use. Under the interpreter
+    they run on CPU tensors; otherwise they are compiled for the GPU and take CUDA tensors."""
+    return KernelImpls("triton", build_tree_triton, verify_tree_greedy_triton,
+                       device="cpu" if interpreter_enabled() else "cuda")
 
 
 def default_kernels_for_refengine() -> KernelImpls:
