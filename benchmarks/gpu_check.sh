@@ -53,6 +53,8 @@ if [ "$MODE" = quick ]; then
   stage certify 150 $PY -m conformance.cli certify --device cuda --graphs cuda \
     --spec eagle-tree -n 8 --report "$WORK/cert"
   mutant bonus_tokens_not_restaged mtp test_graph_matches_eager_at_every_size
+  stage bench 120 $PY -m conformance.cli bench --device cuda --graphs cuda --spec eagle \
+    --backends refengine,hf --batch-sizes 1 --json "$WORK/bench.json"
   stage profile 90 $PY benchmarks/gpu_profile.py --lanes plain,eagle-chain --tokens 64 \
     --json "$WORK/profile.json"
 else
@@ -63,8 +65,8 @@ else
   mutant bonus_tokens_not_restaged mtp test_graph_matches_eager_at_every_size
   mutant stale_padded_rows none test_padded_rows_follow_the_policy
   mutant extend_padding_not_restaged eagle test_acceptance_matches_golden
-  stage bench 240 $PY -m conformance.cli bench --device cuda --graphs cuda \
-    --json "$WORK/bench.json"
+  stage bench 240 $PY -m conformance.cli bench --device cuda --graphs cuda --spec mtp \
+    --backends refengine,hf --batch-sizes 1,8,32 --json "$WORK/bench.json"
   stage profile 120 $PY benchmarks/gpu_profile.py --json "$WORK/profile.json"
 fi
 cp "$SUMMARY" "$OUT/"

@@ -195,7 +195,9 @@ class MutantBackend(RefEngineBackend):
 
     def open(self, cfg: OpenConfig) -> RefEngineHandle:
         if self.mutant.graphs is not None and cfg.graph_executor is None:
-            cfg = replace(cfg, graph_executor=self.mutant.graphs)
+            # its bug lives in the graph runner: on a GPU, the CUDA graphs it runs there
+            cfg = replace(cfg, graph_executor=self.mutant.graphs if cfg.device == "cpu"
+                          else "cuda")
         return super().open(cfg)
 
 
