@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
+from refengine.device import from_host
 from refengine.memory.allocator import TokenAllocator
 from refengine.memory.kv_pool import KVPool
 from refengine.memory.req_to_token import ReqToTokenPool
@@ -51,6 +52,11 @@ class KVManager:
         self.target_pool = KVPool(num_pages * page_size, layers, kv_heads, head_dim, dtype, device)
         self.draft_pool = (KVPool(num_pages * page_size, draft_layers, kv_heads, head_dim, dtype,
                                 device) if draft_layers else None)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the KV tensors and the row table live: every tensor a forward reads."""
+        return self.rows.table.device
 
     @property
     def capacity(self) -> int:
@@ -88,7 +94,7 @@ class KVManager:
         slot_list = list(range(first, first + tail))
         for page in pages:
             slot_list.extend(range(page * ps, page * ps + ps))
-        slots = torch.tensor(slot_list[:new_tokens], dtype=torch.int64)
+        slots = from_host(slot_list[:new_tokens], self.device)
         self.rows.table[req.row, start:end] = slots
         req.kv_allocated_len = end
         return slots
@@ -97,9 +103,10 @@ class KVManager:
         """``[len(reqs), tokens]``: the slots of positions ``starts[i] ..`` of each request,
         which it already holds (a verify block allocated or reserved before its step)."""
         if not reqs:
-            return torch.empty((0, tokens), dtype=torch.int64)
-        rows = torch.tensor([r.row for r in reqs])
-        positions = torch.tensor(starts)[:, None] + torch.arange(tokens)
+            return torch.empty((0, tokens), dtype=torch.int64, device=self.device)
+        rows = from_host([r.row for r in reqs], self.device)
+        positions = (from_host(starts, self.device)[:, None]
+                     + torch.arange(tokens, device=self.device))
         return self.rows.table[rows[:, None], positions]
 
     def position_slots(self, req: Req, start: int, tokens: int) -> torch.Tensor:

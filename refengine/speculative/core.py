@@ -25,6 +25,7 @@ import torch
 
 from refengine.clock import PhaseClock
 from refengine.config import SpecConfig
+from refengine.device import from_host
 from refengine.memory.manager import KVManager
 from refengine.memory.reservation import DecodeReservation
 from refengine.model.llama import ForwardBatch
@@ -89,7 +90,8 @@ class SpeculativeWorker:
         return self.kv.block_slots(reqs, roots, tokens)
 
     def draft_step(self, reqs: list[Req]) -> DraftStep:
-        return DraftStep(reqs, self.roots(reqs), lambda tokens: self.reserved_slots(reqs, tokens))
+        return DraftStep(reqs, self.roots(reqs), lambda tokens: self.reserved_slots(reqs, tokens),
+                         self.kv.device)
 
     @contextmanager
     def drafting_from_committed_end(self, reqs: list[Req]) -> Iterator[None]:
@@ -168,8 +170,8 @@ class SpeculativeWorker:
 
     def to_verify_input(self, reqs: list[Req], root_tokens: torch.Tensor, found: LoopOutput
                         ) -> VerifyInput:
-        return verify_input(self._chain, root_tokens, found, torch.tensor(self.roots(reqs)),
-                            self.spec.num_draft_tokens)
+        roots = from_host(self.roots(reqs), root_tokens.device)
+        return verify_input(self._chain, root_tokens, found, roots, self.spec.num_draft_tokens)
 
     # --- verify -----------------------------------------------------------------------------
 
@@ -202,12 +204,12 @@ class SpeculativeWorker:
         """The accepted runs of the requests ``keep`` (unfinished after verify), in order."""
         if not keep:
             return DraftExtendInput.idle(self.runner.target.config.hidden_size,
-                                         outcome.features.dtype)
-        n = outcome.features.shape[1]
-        flat = torch.tensor([i * n + j for i in keep for j in outcome.nodes[i]])
+                                         outcome.features.dtype, outcome.features.device)
+        n, device = outcome.features.shape[1], outcome.features.device
+        flat = from_host([i * n + j for i in keep for j in outcome.nodes[i]], device)
         return DraftExtendInput(outcome.features.flatten(0, 1)[flat],
-                                torch.tensor([t for i in keep for t in outcome.emitted[i]]),
-                                torch.tensor([len(outcome.nodes[i]) for i in keep]))
+                                from_host([t for i in keep for t in outcome.emitted[i]], device),
+                                from_host([len(outcome.nodes[i]) for i in keep], device))
 
     def install_next(self, reqs: list[Req], accepted: DraftExtendInput) -> None:
         """The drafter's next state for ``reqs``; an idle one when every request finished

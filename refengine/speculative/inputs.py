@@ -29,6 +29,8 @@ from typing import Self
 
 import torch
 
+from refengine.device import from_host
+
 
 def _rows(tensor: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return tensor.index_select(0, keep)
@@ -46,6 +48,10 @@ class _PerRequestRows:
     @property
     def batch_size(self) -> int:
         return int(getattr(self, fields(self)[0].name).shape[0])  # type: ignore[arg-type]
+
+    @property
+    def device(self) -> torch.device:
+        return getattr(self, fields(self)[0].name).device  # type: ignore[arg-type]
 
     def filter_batch(self, keep: torch.Tensor) -> Self:
         """Rows ``keep`` (int64 indices, in the new batch order), every tensor together."""
@@ -66,12 +72,13 @@ class DraftInput(_PerRequestRows):
     verified_id: torch.Tensor
 
     @classmethod
-    def idle(cls, topk: int, hidden_size: int, dtype: torch.dtype) -> DraftInput:
-        """Zero rows, correct dtypes and trailing shapes: a valid empty draft state."""
-        return cls(topk_p=torch.empty((0, topk), dtype=torch.float32),
-                   topk_index=torch.empty((0, topk), dtype=torch.int64),
-                   hidden_states=torch.empty((0, hidden_size), dtype=dtype),
-                   verified_id=torch.empty((0,), dtype=torch.int64))
+    def idle(cls, topk: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str
+             ) -> DraftInput:
+        """Zero rows, correct dtypes, trailing shapes and device: a valid empty draft state."""
+        return cls(topk_p=torch.empty((0, topk), dtype=torch.float32, device=device),
+                   topk_index=torch.empty((0, topk), dtype=torch.int64, device=device),
+                   hidden_states=torch.empty((0, hidden_size), dtype=dtype, device=device),
+                   verified_id=torch.empty((0,), dtype=torch.int64, device=device))
 
 
 @dataclass
@@ -85,8 +92,10 @@ class SeedInput(_PerRequestRows):
     hidden_states: torch.Tensor
 
     @classmethod
-    def idle(cls, hidden_size: int, dtype: torch.dtype) -> SeedInput:
-        return cls(torch.empty((0,), dtype=torch.int64), torch.empty((0, hidden_size), dtype=dtype))
+    def idle(cls, hidden_size: int, dtype: torch.dtype, device: torch.device | str
+             ) -> SeedInput:
+        return cls(torch.empty((0,), dtype=torch.int64, device=device),
+                   torch.empty((0, hidden_size), dtype=dtype, device=device))
 
 
 @dataclass
@@ -101,8 +110,9 @@ class CatchUpInput(_PerRequestRows):
     behind: torch.Tensor
 
     @classmethod
-    def idle(cls) -> CatchUpInput:
-        return cls(torch.empty((0,), dtype=torch.int64), torch.empty((0,), dtype=torch.int64))
+    def idle(cls, device: torch.device | str) -> CatchUpInput:
+        return cls(torch.empty((0,), dtype=torch.int64, device=device),
+                   torch.empty((0,), dtype=torch.int64, device=device))
 
 
 @dataclass
@@ -120,10 +130,10 @@ class VerifyInput:
         return int(self.draft_tokens.shape[0])
 
     @classmethod
-    def idle(cls, num_draft_tokens: int) -> VerifyInput:
+    def idle(cls, num_draft_tokens: int, device: torch.device | str) -> VerifyInput:
         n = num_draft_tokens
-        empty = torch.empty((0, n), dtype=torch.int64)
-        return cls(empty, torch.empty((0, n, n), dtype=torch.bool), empty.clone(),
+        empty = torch.empty((0, n), dtype=torch.int64, device=device)
+        return cls(empty, torch.empty((0, n, n), dtype=torch.bool, device=device), empty.clone(),
                    empty.clone(), empty.clone(), empty.clone(), empty.clone())
 
 
@@ -144,18 +154,19 @@ class DraftExtendInput:
         return int(self.accept_lens.shape[0])
 
     @classmethod
-    def idle(cls, hidden_size: int, dtype: torch.dtype) -> DraftExtendInput:
-        return cls(torch.empty((0, hidden_size), dtype=dtype), torch.empty((0,), dtype=torch.int64),
-                   torch.empty((0,), dtype=torch.int64))
+    def idle(cls, hidden_size: int, dtype: torch.dtype, device: torch.device | str
+             ) -> DraftExtendInput:
+        return cls(torch.empty((0, hidden_size), dtype=dtype, device=device),
+                   torch.empty((0,), dtype=torch.int64, device=device),
+                   torch.empty((0,), dtype=torch.int64, device=device))
 
     def _offsets(self) -> torch.Tensor:
         return torch.cumsum(self.accept_lens, 0) - self.accept_lens
 
     def filter_batch(self, keep: torch.Tensor) -> DraftExtendInput:
         starts, lens = self._offsets()[keep], self.accept_lens[keep]
-        token_rows = (torch.cat([torch.arange(s, s + n) for s, n in
-                                 zip(starts.tolist(), lens.tolist(), strict=True)])
-                      if len(keep) else torch.empty((0,), dtype=torch.int64))
+        token_rows = from_host([i for s, n in zip(starts.tolist(), lens.tolist(), strict=True)
+                                for i in range(s, s + n)], keep.device)
         return DraftExtendInput(_rows(self.hidden_states, token_rows),
                                 _rows(self.input_ids, token_rows), lens)
 
