@@ -88,7 +88,7 @@ class ModelRunner:
         """The verify block: request i's ``N`` nodes at positions ``root + depth`` writing the
         slots ``slots[i]``; a chain's tree mask is causal, the metadata's default."""
         b, n = verify_input.draft_tokens.shape
-        roots = verify_input.positions[:, 0].tolist()
+        roots = verify_input.root_positions()
         meta = self.attention_metadata(self._rows(reqs), [n] * b, [s + n for s in roots],
                                        None if causal else list(verify_input.tree_mask))
         return ForwardBatch(verify_input.draft_tokens.reshape(-1),
@@ -119,7 +119,7 @@ class ModelRunner:
     def prepare_draft_extend(self, reqs: list[Req], accepted: DraftExtendInput, ends: list[int]
                              ) -> ForwardBatch:
         """The head over each request's accepted positions, which end before ``ends[i]``."""
-        return self.prepare_tail(reqs, accepted.input_ids, accepted.accept_lens.tolist(), ends)
+        return self.prepare_tail(reqs, accepted.input_ids, accepted.host_lens(), ends)
 
     def prepare_tail(self, reqs: list[Req], ids: torch.Tensor, lens: list[int],
                      ends: list[int]) -> ForwardBatch:

@@ -47,13 +47,15 @@ def build_tree_reference(root: torch.Tensor, cand_tokens: torch.Tensor,
     """root [b]; cand_tokens / cand_parents [b, C]; selected [b, N-1] ascending flat indices."""
     b, n, device = root.shape[0], selected.shape[1] + 1, root.device
     tokens = torch.cat([root[:, None], torch.gather(cand_tokens, 1, selected)], dim=1)
-    flat_parents = torch.gather(cand_parents, 1, selected).tolist()
+    # both index lists in one transfer
+    chosen_rows, flat_parents = torch.stack(
+        [selected.long(), torch.gather(cand_parents, 1, selected).long()]).tolist()
     parents = [[-1] * n for _ in range(b)]
     depth = [[0] * n for _ in range(b)]
     next_token = [[-1] * n for _ in range(b)]
     next_sibling = [[-1] * n for _ in range(b)]
     mask = [[[False] * n for _ in range(n)] for _ in range(b)]
-    for r, chosen in enumerate(selected.tolist()):
+    for r, chosen in enumerate(chosen_rows):
         node_of = {c: i + 1 for i, c in enumerate(chosen)}
         ancestors: list[list[int]] = [[0]]
         for i in range(1, n):

@@ -90,12 +90,11 @@ class KVManager:
                               f"tokens, {self.allocator.free_slots} slots free)")
         # First the rest of the last page the request already owns, then the new pages.
         tail = min(new_tokens, -start % ps)
-        first = int(self.rows.table[req.row, start - 1]) + 1 if tail else 0
+        first = self.rows.host[req.row][start - 1] + 1 if tail else 0
         slot_list = list(range(first, first + tail))
         for page in pages:
             slot_list.extend(range(page * ps, page * ps + ps))
-        slots = from_host(slot_list[:new_tokens], self.device)
-        self.rows.table[req.row, start:end] = slots
+        slots = self.rows.assign(req.row, start, slot_list[:new_tokens])
         req.kv_allocated_len = end
         return slots
 
@@ -202,8 +201,8 @@ class KVManager:
         ps = self.page_size
         keep_pages, have_pages = -(-keep_tokens // ps), -(-have_tokens // ps)
         if row is not None and have_pages > keep_pages:
-            first = self.rows.table[row, keep_pages * ps: have_pages * ps: ps]
-            self.allocator.free_pages((first // ps).tolist())
+            first = self.rows.host[row][keep_pages * ps: have_pages * ps: ps]
+            self.allocator.free_pages([slot // ps for slot in first])
 
     def release(self, req: Req) -> None:
         """Free a request's slots and its row (finish, abort, retraction)."""

@@ -170,8 +170,8 @@ class SpeculativeWorker:
 
     def to_verify_input(self, reqs: list[Req], root_tokens: torch.Tensor, found: LoopOutput
                         ) -> VerifyInput:
-        roots = from_host(self.roots(reqs), root_tokens.device)
-        return verify_input(self._chain, root_tokens, found, roots, self.spec.num_draft_tokens)
+        return verify_input(self._chain, root_tokens, found, self.roots(reqs),
+                            self.spec.num_draft_tokens)
 
     # --- verify -----------------------------------------------------------------------------
 
@@ -206,10 +206,11 @@ class SpeculativeWorker:
             return DraftExtendInput.idle(self.runner.target.config.hidden_size,
                                          outcome.features.dtype, outcome.features.device)
         n, device = outcome.features.shape[1], outcome.features.device
+        lens = [len(outcome.nodes[i]) for i in keep]
         flat = from_host([i * n + j for i in keep for j in outcome.nodes[i]], device)
         return DraftExtendInput(outcome.features.flatten(0, 1)[flat],
                                 from_host([t for i in keep for t in outcome.emitted[i]], device),
-                                from_host([len(outcome.nodes[i]) for i in keep], device))
+                                from_host(lens, device), lens)
 
     def install_next(self, reqs: list[Req], accepted: DraftExtendInput) -> None:
         """The drafter's next state for ``reqs``; an idle one when every request finished

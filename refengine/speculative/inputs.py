@@ -124,10 +124,17 @@ class VerifyInput:
     retrieve_index: torch.Tensor
     retrieve_next_token: torch.Tensor
     retrieve_next_sibling: torch.Tensor
+    # Each root's position on the host, where the tree's builder had them (a forward's shapes
+    # need them there); None: read from ``positions``.
+    roots: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
         return int(self.draft_tokens.shape[0])
+
+    def root_positions(self) -> list[int]:
+        """Each root's position (``positions[:, 0]``), from the host copy where there is one."""
+        return self.roots if self.roots is not None else self.positions[:, 0].tolist()
 
     @classmethod
     def idle(cls, num_draft_tokens: int, device: torch.device | str) -> VerifyInput:
@@ -142,12 +149,22 @@ class DraftExtendInput:
     hidden_states: torch.Tensor
     input_ids: torch.Tensor
     accept_lens: torch.Tensor
+    # ``accept_lens`` on the host, where the builder had them (the extend batch's shapes need
+    # them there); None: read from the tensor.
+    lens: list[int] | None = None
 
     def __post_init__(self) -> None:
-        total = int(self.accept_lens.sum()) if self.accept_lens.numel() else 0
+        if self.lens is not None and len(self.lens) != self.accept_lens.shape[0]:
+            raise ValueError(f"DraftExtendInput: {len(self.lens)} host lengths for "
+                             f"{self.accept_lens.shape[0]} accept_lens")
+        total = sum(self.host_lens())
         if self.hidden_states.shape[0] != total or self.input_ids.shape[0] != total:
             raise ValueError(f"DraftExtendInput: {self.hidden_states.shape[0]} hidden rows and "
                              f"{self.input_ids.shape[0]} ids for accept_lens summing to {total}")
+
+    def host_lens(self) -> list[int]:
+        """``accept_lens`` as a list, from the host copy where there is one."""
+        return self.lens if self.lens is not None else self.accept_lens.tolist()
 
     @property
     def batch_size(self) -> int:
@@ -165,12 +182,14 @@ class DraftExtendInput:
 
     def filter_batch(self, keep: torch.Tensor) -> DraftExtendInput:
         starts, lens = self._offsets()[keep], self.accept_lens[keep]
-        token_rows = from_host([i for s, n in zip(starts.tolist(), lens.tolist(), strict=True)
+        host_lens = lens.tolist()
+        token_rows = from_host([i for s, n in zip(starts.tolist(), host_lens, strict=True)
                                 for i in range(s, s + n)], keep.device)
         return DraftExtendInput(_rows(self.hidden_states, token_rows),
-                                _rows(self.input_ids, token_rows), lens)
+                                _rows(self.input_ids, token_rows), lens, host_lens)
 
     def merge_batch(self, other: DraftExtendInput) -> DraftExtendInput:
         return DraftExtendInput(torch.cat([self.hidden_states, other.hidden_states]),
                                 torch.cat([self.input_ids, other.input_ids]),
-                                torch.cat([self.accept_lens, other.accept_lens]))
+                                torch.cat([self.accept_lens, other.accept_lens]),
+                                self.host_lens() + other.host_lens())

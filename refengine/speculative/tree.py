@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from refengine.device import from_host
 from refengine.kernels.dispatch import build_tree
 from refengine.kernels.tree_reference import select_candidates
 from refengine.speculative.draft_search import Candidates, LoopOutput
@@ -45,25 +46,28 @@ class ChainTree:
                 "retrieve_next_sibling": torch.full((b, n), -1, device=device)}
         return self._by_batch[device, b]
 
-    def verify_input(self, tokens: torch.Tensor, start: torch.Tensor) -> VerifyInput:
-        """``tokens [b, n]`` (root first); ``start [b]``: each root's position."""
-        return VerifyInput(draft_tokens=tokens, positions=start[:, None] + self.depth(start.device),
-                           **self._structure(tokens.device, tokens.shape[0]))
+    def verify_input(self, tokens: torch.Tensor, roots: list[int]) -> VerifyInput:
+        """``tokens [b, n]`` (root first); ``roots``: each root's position."""
+        device = tokens.device
+        return VerifyInput(draft_tokens=tokens,
+                           positions=from_host(roots, device)[:, None] + self.depth(device),
+                           **self._structure(device, tokens.shape[0]), roots=roots)
 
 
-def tree_verify_input(root_tokens: torch.Tensor, found: Candidates, roots: torch.Tensor,
+def tree_verify_input(root_tokens: torch.Tensor, found: Candidates, roots: list[int],
                       num_draft_tokens: int) -> VerifyInput:
-    """The verify tree of ``num_draft_tokens`` nodes from a beam's candidates."""
+    """The verify tree of ``num_draft_tokens`` nodes from a beam's candidates (``roots``:
+    each root's position)."""
     n, b, device = num_draft_tokens, root_tokens.shape[0], root_tokens.device
     tree = build_tree(root_tokens, found.tokens, found.parents,
                       select_candidates(found.scores, n))
     flat = torch.arange(b * n, device=device).view(b, n)
-    return VerifyInput(tree.tokens, tree.mask, roots[:, None] + tree.depth, tree.parents,
-                       flat, tree.next_token, tree.next_sibling)
+    return VerifyInput(tree.tokens, tree.mask, from_host(roots, device)[:, None] + tree.depth,
+                       tree.parents, flat, tree.next_token, tree.next_sibling, roots=roots)
 
 
 def verify_input(chain: ChainTree, root_tokens: torch.Tensor, found: LoopOutput,
-                 roots: torch.Tensor, num_draft_tokens: int) -> VerifyInput:
+                 roots: list[int], num_draft_tokens: int) -> VerifyInput:
     """A chain's tree (``found``: its draft tokens) or a beam's (``found``: candidates)."""
     if isinstance(found, Candidates):
         return tree_verify_input(root_tokens, found, roots, num_draft_tokens)
