@@ -50,10 +50,10 @@ CASES: dict[str, dict[str, Any]] = {
 ALGORITHMS = ("plain", "eagle-chain", "eagle-tree", "eagle-overlap", "mtp-chain", "mtp-tree",
               "draft-model", "graph-eagle-chain")
 PROMPTS = ["def fib(n):", "import os\nimport sys", "class A:\n    def", "x = [1, 2"]
-PARAMS = [SamplingParams(max_new_tokens=12),
-          SamplingParams(max_new_tokens=10, temperature=0.8, seed=3),
-          SamplingParams(max_new_tokens=9),
-          SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=5)]
+PARAMS = [SamplingParams(max_new_tokens=8),
+          SamplingParams(max_new_tokens=7, temperature=0.8, seed=3),
+          SamplingParams(max_new_tokens=6),
+          SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=5)]
 
 meta_default = torch.device("meta")  # as a context manager: the default device inside
 
@@ -64,6 +64,8 @@ def generate(engine: Engine) -> list[list[int]]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_guarded_run_emits_the_unguarded_tokens(name: str) -> None:
+    """Two fresh engines, one run unguarded, one guarded (the retraction hook counts steps
+    per engine, so a reused engine would retract elsewhere and draw differently)."""
     want = generate(Engine(EngineConfig(**CASES[name])))
     engine = Engine(EngineConfig(**CASES[name]))
     with meta_default:
@@ -91,9 +93,8 @@ class GuardedLauncher:
 
 
 def test_overlap_launch_thread_guarded() -> None:
-    config = EngineConfig(spec=SpecConfig(topk=2, num_draft_tokens=6, overlap=True))
-    want = generate(Engine(config))
-    engine = Engine(config)
+    engine = Engine(EngineConfig(spec=SpecConfig(topk=2, num_draft_tokens=6, overlap=True)))
+    want = generate(engine)
     assert engine._launcher is not None
     launcher = GuardedLauncher(engine._launcher)
     engine._launcher = launcher  # type: ignore[assignment]
@@ -107,7 +108,7 @@ def run_session(engine: Engine) -> list[tuple[int, ...]]:
     engine.open_session("s")
     outputs = []
     for turn, prompt in enumerate(["def f(x):", "\n    return", "\n\nprint("]):
-        engine.add_request(f"t{turn}", prompt, SamplingParams(max_new_tokens=6),
+        engine.add_request(f"t{turn}", prompt, SamplingParams(max_new_tokens=4),
                            session_id="s")
         outputs.append(drive(engine).finishes[f"t{turn}"].output_ids)
     engine.close_session("s")
@@ -116,8 +117,8 @@ def run_session(engine: Engine) -> list[tuple[int, ...]]:
 
 @pytest.mark.parametrize("name", ["plain", "eagle-chain", "eagle-overlap"])
 def test_sessions_guarded(name: str) -> None:
-    want = run_session(Engine(EngineConfig(**CASES[name])))
     engine = Engine(EngineConfig(**CASES[name]))
+    want = run_session(engine)
     with meta_default:
         got = run_session(engine)
     assert got == want and len(got) == 3
