@@ -7,8 +7,9 @@ The guard: an engine with ``device="cpu"`` is loaded normally, then run with
 data, and the run breaks; one that says where it goes runs as before. The guarded run must
 emit exactly the unguarded run's tokens. The default-device mode is thread-local, so the
 overlap engine with its launch thread is guarded by wrapping the launcher's work in the same
-mode. Plus: a bfloat16 smoke run of every algorithm, the tree-kernel choice on a CPU tensor,
-and (on a machine with CUDA) every algorithm on the GPU.
+mode. Plus: loading for another device places everything a forward reads (the rotary tables
+included), a bfloat16 smoke run of every algorithm, the tree-kernel choice on a CPU tensor, and
+(on a machine with CUDA) every algorithm on the GPU.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import torch
 from engine_helpers import drive
 
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
+from refengine.data import resolve_model_dir
 from refengine.engine import RequestOutput
 from refengine.kernels.dispatch import tree_kernels
+from refengine.model.llama import LlamaForCausalLM
 
 MTP = {"algorithm": "frozen_kv_mtp", "draft_model": "tiny-code-mtp"}
 REPLAY = {"cuda_graph": True, "graph_executor": "replay", "max_running_requests": 8}
@@ -186,3 +189,21 @@ def test_tree_kernels_on_cuda_are_triton_when_installed() -> None:
 
     want = "triton" if triton_runnable() else "reference"
     assert tree_kernels(torch.zeros(2, dtype=torch.int64, device="cuda")) == want
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "frozen_kv_mtp", "draft_model"])
+def test_loading_places_everything_a_forward_reads(algorithm: str) -> None:
+    """Target and draft loaded for another device (meta stands in for a GPU here): every
+    parameter, buffer and the shared rotary tables (plain attributes, not module state) go
+    there."""
+    target = LlamaForCausalLM.load(resolve_model_dir("tiny-code"), torch.float32, "meta")
+    draft_name = {"eagle": "tiny-code-eagle", "frozen_kv_mtp": "tiny-code-mtp",
+                  "draft_model": "tiny-code-draft"}[algorithm]
+    draft = Engine.draft_classes[algorithm].load(resolve_model_dir(draft_name), target,
+                                                  torch.float32, "meta")
+    for model in (target, draft):
+        tensors = [*model.parameters(), *model.buffers()]
+        assert tensors and all(t.device.type == "meta" for t in tensors)
+    for rotary in {id(m.rotary): m.rotary for m in (target, draft, getattr(draft, "lm", None))
+                   if m is not None and hasattr(m, "rotary")}.values():
+        assert rotary.cos.device.type == "meta" and rotary.sin.device.type == "meta"
