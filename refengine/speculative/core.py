@@ -186,12 +186,13 @@ class SpeculativeWorker:
 
     def sample_path(self, req: Req, verify_input: VerifyInput, row: int, probs: torch.Tensor
                     ) -> SampledPath:
-        """Tree speculative sampling for one sampled request (``probs``: [N, V] float64)."""
-        return verify_tree_sampling(
-            verify_input.draft_tokens[row].tolist(),
-            verify_input.retrieve_next_token[row].tolist(),
-            verify_input.retrieve_next_sibling[row].tolist(), probs, self.spec.num_steps,
-            req.seed, self.output_index(req))
+        """Tree speculative sampling for one sampled request (``probs``: [N, V] float64, on
+        the CPU); its tree comes to the host in one transfer."""
+        tokens, next_token, next_sibling = torch.stack(
+            [verify_input.draft_tokens[row], verify_input.retrieve_next_token[row],
+             verify_input.retrieve_next_sibling[row]]).tolist()
+        return verify_tree_sampling(tokens, next_token, next_sibling, probs, self.spec.num_steps,
+                                    req.seed, self.output_index(req))
 
     def output_index(self, req: Req) -> int:
         """The output index of the first token this step emits for ``req`` (what seeds its
