@@ -25,10 +25,11 @@ TreeKernels = Literal["triton", "reference"]
 
 
 def tree_kernels(tensor: torch.Tensor) -> TreeKernels:
-    """"triton" for tensors on a CUDA device where Triton is installed (and not switched to its
-    interpreter), else "reference". On a CPU Triton only runs under its interpreter, orders of
-    magnitude slower than the torch references and a test instrument, never the engine's path;
-    on a GPU the compiled kernels replace a host round-trip per tree with device work."""
+    """``"triton"`` for tensors on a CUDA device where Triton is installed (and not switched to
+    its interpreter), else ``"reference"``. On a CPU Triton only runs under its interpreter,
+    orders of magnitude slower than the torch references and a test instrument, never the
+    engine's path; on a GPU the compiled kernels replace a host round-trip per tree with device
+    work."""
     if tensor.is_cuda and not interpreter_enabled() and triton_runnable():
         return "triton"
     return "reference"
