@@ -15,6 +15,7 @@ import itertools
 
 import torch
 
+from refengine.device import from_host
 from refengine.memory.manager import KVManager
 from refengine.model.attention import AttentionMetadata
 from refengine.model.eagle import EagleDraftModel
@@ -38,13 +39,22 @@ class ModelRunner:
         self.draft = draft
         self.kv = kv
 
+    @property
+    def device(self) -> torch.device:
+        """The engine's device: every tensor a forward reads is made there."""
+        return self.kv.device
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        """Host integers as one int64 tensor on the device (one copy, not one per element)."""
+        return from_host(values, self.device)
+
     def attention_metadata(self, rows: torch.Tensor, extend_lens: list[int],
                            seq_lens: list[int], masks: list[torch.Tensor] | None = None
                            ) -> AttentionMetadata:
         return AttentionMetadata.build(self.kv.rows.table, rows, extend_lens, seq_lens, masks)
 
     def _rows(self, reqs: list[Req]) -> torch.Tensor:
-        return torch.tensor([r.row for r in reqs])
+        return self._tensor([r.row for r in reqs])
 
     # --- target ---------------------------------------------------------------------------
 
@@ -57,28 +67,28 @@ class ModelRunner:
         slots = [self.kv.position_slots(r, s, n) for r, s, n in zip(reqs, starts, lens,
                                                                      strict=True)]
         return ForwardBatch(
-            input_ids=torch.tensor(ids),
-            positions=torch.cat([torch.arange(s, s + n)
-                                 for s, n in zip(starts, lens, strict=True)]),
+            input_ids=self._tensor(ids),
+            positions=self._tensor([p for s, n in zip(starts, lens, strict=True)
+                                    for p in range(s, s + n)]),
             out_slots=torch.cat(slots),
             attention=self.attention_metadata(self._rows(reqs), lens,
                                               [s + n for s, n in zip(starts, lens, strict=True)]),
-            logits_index=torch.tensor(sample_at, dtype=torch.int64))
+            logits_index=self._tensor(sample_at))
 
     def prepare_score(self, req: Req, ids: list[int], slots: torch.Tensor, last_only: bool
                       ) -> ForwardBatch:
         """A whole prompt into ``slots`` for a request that holds nothing else (scoring)."""
         n = len(ids)
-        return ForwardBatch(torch.tensor(ids), torch.arange(n), slots,
+        return ForwardBatch(self._tensor(ids), torch.arange(n, device=self.device), slots,
                             self.attention_metadata(self._rows([req]), [n], [n]),
-                            torch.tensor([n - 1]) if last_only else None)
+                            self._tensor([n - 1]) if last_only else None)
 
     def prepare_verify(self, reqs: list[Req], verify_input: VerifyInput, slots: torch.Tensor,
                        causal: bool) -> ForwardBatch:
         """The verify block: request i's ``N`` nodes at positions ``root + depth`` writing the
         slots ``slots[i]``; a chain's tree mask is causal, the metadata's default."""
         b, n = verify_input.draft_tokens.shape
-        roots = verify_input.positions[:, 0].tolist()
+        roots = verify_input.root_positions()
         meta = self.attention_metadata(self._rows(reqs), [n] * b, [s + n for s in roots],
                                        None if causal else list(verify_input.tree_mask))
         return ForwardBatch(verify_input.draft_tokens.reshape(-1),
@@ -109,19 +119,19 @@ class ModelRunner:
     def prepare_draft_extend(self, reqs: list[Req], accepted: DraftExtendInput, ends: list[int]
                              ) -> ForwardBatch:
         """The head over each request's accepted positions, which end before ``ends[i]``."""
-        return self.prepare_tail(reqs, accepted.input_ids, accepted.accept_lens.tolist(), ends)
+        return self.prepare_tail(reqs, accepted.input_ids, accepted.host_lens(), ends)
 
     def prepare_tail(self, reqs: list[Req], ids: torch.Tensor, lens: list[int],
                      ends: list[int]) -> ForwardBatch:
         """Request i's ``lens[i]`` positions ending before ``ends[i]`` (their slots already in
         its row; ``ids`` flat, in request order); logits at each request's last position."""
         rows = [r.row for r in reqs]
-        positions = torch.tensor([p for e, n in zip(ends, lens, strict=True)
+        positions = self._tensor([p for e, n in zip(ends, lens, strict=True)
                                   for p in range(e - n, e)])
-        slots = self.kv.rows.table[torch.tensor([r for r, n in zip(rows, lens, strict=True)
+        slots = self.kv.rows.table[self._tensor([r for r, n in zip(rows, lens, strict=True)
                                                  for _ in range(n)]), positions]
-        last = torch.tensor([end - 1 for end in itertools.accumulate(lens)])
-        meta = self.attention_metadata(torch.tensor(rows), lens, ends)
+        last = self._tensor([end - 1 for end in itertools.accumulate(lens)])
+        meta = self.attention_metadata(self._tensor(rows), lens, ends)
         return ForwardBatch(ids, positions, slots, meta, last)
 
     def forward_draft(self, batch: ForwardBatch, features: torch.Tensor
@@ -147,9 +157,9 @@ class ModelRunner:
         lens = [s for s in seq_lens for _ in range(width)]
         meta = self.attention_metadata(self._rows(reqs).repeat_interleave(width),
                                        [1] * len(lens), lens)
-        return ForwardBatch(torch.zeros(len(lens), dtype=torch.int64),
-                            torch.tensor([max(s - 1, 0) for s in lens], dtype=torch.int64),
-                            torch.empty((0,), dtype=torch.int64), meta)
+        return ForwardBatch(torch.zeros(len(lens), dtype=torch.int64, device=self.device),
+                            self._tensor([max(s - 1, 0) for s in lens]),
+                            torch.empty((0,), dtype=torch.int64, device=self.device), meta)
 
     def forward_frozen_draft(self, batch: ForwardBatch, tokens: torch.Tensor,
                              hidden: torch.Tensor, rows: torch.Tensor | None = None

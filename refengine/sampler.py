@@ -22,7 +22,7 @@ def request_seed(engine_seed: int, rid: str) -> int:
 
 
 def draw_generator(seed: int, index: int) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * _SEED_STRIDE + index) % (2**63 - 1))
+    return torch.Generator(device="cpu").manual_seed((seed * _SEED_STRIDE + index) % (2**63 - 1))
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -56,5 +56,7 @@ def select_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
     tokens = torch.argmax(logits, dim=-1).tolist()
     for b, p in enumerate(params):
         if not p.greedy:
-            tokens[b] = sample_one(sampling_probs(logits[b], p), seeds[b], indices[b])
+            # The draw's generator is a CPU one (the same draws on every device): one copy of
+            # the request's distribution to the host.
+            tokens[b] = sample_one(sampling_probs(logits[b], p).cpu(), seeds[b], indices[b])
     return tokens

@@ -28,14 +28,14 @@ def tags(d: DraftInput) -> list[list[int]]:
 
 
 def test_idle_shapes_and_dtypes() -> None:
-    idle = DraftInput.idle(K, H, torch.float32)
+    idle = DraftInput.idle(K, H, torch.float32, "cpu")
     assert idle.topk_p.shape == (0, K) and idle.topk_p.dtype == torch.float32
     assert idle.topk_index.shape == (0, K) and idle.topk_index.dtype == torch.int64
     assert idle.hidden_states.shape == (0, H) and idle.verified_id.shape == (0,)
     merged = idle.merge_batch(tagged([7, 8]))
     assert tags(merged) == [[7, 8]] * 4
     assert idle.filter_batch(torch.empty(0, dtype=torch.int64)).batch_size == 0
-    assert VerifyInput.idle(4).draft_tokens.shape == (0, 4)
+    assert VerifyInput.idle(4, "cpu").draft_tokens.shape == (0, 4)
 
 
 def test_verify_input_has_no_filter_or_merge() -> None:
@@ -74,7 +74,7 @@ def test_draft_extend_input_filters_ragged_rows() -> None:
 
 
 def test_draft_state_follows_the_batch() -> None:
-    state = DraftState(DraftInput.idle(K, H, torch.float32))
+    state = DraftState(DraftInput.idle(K, H, torch.float32, "cpu"))
     state.add(["a", "b", "c"], tagged([1, 2, 3]))
     state.drop("b")                                   # a middle request leaves
     assert state.rids == ["a", "c"] and tags(state.draft_input)[0] == [1, 3]

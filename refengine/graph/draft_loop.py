@@ -307,7 +307,7 @@ class DraftLoopGraph:
             return None
         # Request i's tokens fill its last a_i columns, in flat (row-major) order; column c
         # sits at position ends_i - n + c, as in ``eagle_extend``.
-        columns = torch.arange(n)
+        columns = torch.arange(n, device=rows.device)
         real = columns >= (n - accept_lens)[:, None]
         padded_ids = ids.new_zeros((b, n)).masked_scatter_(real, ids)
         padded_hidden = hidden.new_zeros((b, n, hidden.shape[-1])).masked_scatter_(

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from refengine.device import from_host
 from refengine.graph.cuda_graph import CudaGraphExecutor, CudaGraphs
 from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.graph.executors import (
@@ -165,15 +166,15 @@ class GraphRunner:
                        sample_at: list[int]) -> ForwardBatch:
         starts = [r.kv_committed_len for r in reqs]  # before the wrapped runner extends
         batch = self.runner.prepare_extend(reqs, lens, ids, sample_at)
-        return GraphBatch.tag(batch, torch.tensor([r.row for r in reqs], dtype=torch.int64),
-                              torch.tensor([s + n for s, n in zip(starts, lens, strict=True)],
-                                           dtype=torch.int64))
+        return GraphBatch.tag(batch, from_host([r.row for r in reqs], self.device),
+                              from_host([s + n for s, n in zip(starts, lens, strict=True)],
+                                        self.device))
 
     def prepare_verify(self, reqs: list[Req], verify_input: VerifyInput, slots: torch.Tensor,
                        causal: bool) -> ForwardBatch:
         batch = self.runner.prepare_verify(reqs, verify_input, slots, causal)
         n = verify_input.draft_tokens.shape[1]
-        return GraphBatch.tag(batch, torch.tensor([r.row for r in reqs], dtype=torch.int64),
+        return GraphBatch.tag(batch, from_host([r.row for r in reqs], self.device),
                               verify_input.positions[:, 0] + n,
                               None if causal else verify_input.tree_mask)
 

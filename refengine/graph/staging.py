@@ -104,7 +104,7 @@ class StagedViews:
 
 
 def _first_key_only(q: int) -> torch.Tensor:
-    mask = torch.zeros((q, q), dtype=torch.bool)
+    mask = torch.zeros((q, q), dtype=torch.bool, device="cpu")  # a host constant, placed once
     mask[:, 0] = True
     return mask
 

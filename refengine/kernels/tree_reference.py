@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from refengine.device import from_host
+
 
 @dataclass
 class Tree:
@@ -43,15 +45,17 @@ def select_candidates(scores: torch.Tensor, num_nodes: int) -> torch.Tensor:
 def build_tree_reference(root: torch.Tensor, cand_tokens: torch.Tensor,
                          cand_parents: torch.Tensor, selected: torch.Tensor) -> Tree:
     """root [b]; cand_tokens / cand_parents [b, C]; selected [b, N-1] ascending flat indices."""
-    b, n = root.shape[0], selected.shape[1] + 1
+    b, n, device = root.shape[0], selected.shape[1] + 1, root.device
     tokens = torch.cat([root[:, None], torch.gather(cand_tokens, 1, selected)], dim=1)
-    flat_parents = torch.gather(cand_parents, 1, selected).tolist()
+    # both index lists in one transfer
+    chosen_rows, flat_parents = torch.stack(
+        [selected.long(), torch.gather(cand_parents, 1, selected).long()]).tolist()
     parents = [[-1] * n for _ in range(b)]
     depth = [[0] * n for _ in range(b)]
     next_token = [[-1] * n for _ in range(b)]
     next_sibling = [[-1] * n for _ in range(b)]
-    mask = torch.zeros((b, n, n), dtype=torch.bool)
-    for r, chosen in enumerate(selected.tolist()):
+    mask = [[[False] * n for _ in range(n)] for _ in range(b)]
+    for r, chosen in enumerate(chosen_rows):
         node_of = {c: i + 1 for i, c in enumerate(chosen)}
         ancestors: list[list[int]] = [[0]]
         for i in range(1, n):
@@ -67,13 +71,15 @@ def build_tree_reference(root: torch.Tensor, cand_tokens: torch.Tensor,
             next_sibling[r][i] = next_token[r][p]
             next_token[r][p] = i
         for i, seen in enumerate(ancestors):
-            mask[r, i, seen] = True
+            for j in seen:
+                mask[r][i][j] = True
 
     def as_tensor(rows: list[list[int]]) -> torch.Tensor:  # [b, n] even when b == 0
-        return torch.tensor(rows, dtype=torch.int64).reshape(b, n)
+        return from_host(rows, device).reshape(b, n)
 
-    return Tree(tokens, as_tensor(parents), as_tensor(depth), mask, as_tensor(next_token),
-                as_tensor(next_sibling))
+    return Tree(tokens, as_tensor(parents), as_tensor(depth),
+                from_host(mask, device, torch.bool).reshape(b, n, n),
+                as_tensor(next_token), as_tensor(next_sibling))
 
 
 @dataclass
@@ -119,9 +125,9 @@ def verify_tree_greedy_reference(tokens: torch.Tensor, next_token: torch.Tensor,
 
     ``target_predict[r, i]`` is the target's argmax token after node i.
     """
-    b = tokens.shape[0]
+    b, device = tokens.shape[0], tokens.device
     accept_index, accept_len, bonus = greedy_walk(
         *(t.tolist() for t in (tokens, next_token, next_sibling, target_predict)), max_depth)
     return GreedyVerifyResult(
-        torch.tensor(accept_index, dtype=torch.int64).reshape(b, max_depth + 1),
-        torch.tensor(accept_len, dtype=torch.int64), torch.tensor(bonus, dtype=torch.int64))
+        from_host(accept_index, device).reshape(b, max_depth + 1),
+        from_host(accept_len, device), from_host(bonus, device))

@@ -1,8 +1,8 @@
 """Triton kernels for the tree build and greedy tree verify, checked against the torch references.
 
-The engine itself always runs the torch references (``tree_reference.py``) — it is a CPU engine
-and these kernels exist so that a GPU implementation of the same contracts can be certified
-against the same oracle. On CPU the kernels run only under Triton's interpreter
+The engine runs them, compiled, when its tensors are on a CUDA device, and the torch references
+(``tree_reference.py``) everywhere else (``dispatch.tree_kernels``); both meet the same oracle.
+On CPU the kernels run only under Triton's interpreter, for the kernel tests
 (``TRITON_INTERPRET=1``, set before Triton is first imported in the process: Triton jits its own
 library functions at import, in whichever mode is on then); without a GPU or the interpreter
 the wrappers raise ``RuntimeError`` rather than fall back silently, so a test that asked for

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
+from refengine.device import from_host
 from refengine.memory.allocator import TokenAllocator
 from refengine.memory.kv_pool import KVPool
 from refengine.memory.req_to_token import ReqToTokenPool
@@ -53,6 +54,11 @@ class KVManager:
                                 device) if draft_layers else None)
 
     @property
+    def device(self) -> torch.device:
+        """Where the KV tensors and the row table live: every tensor a forward reads."""
+        return self.rows.table.device
+
+    @property
     def capacity(self) -> int:
         return self.allocator.capacity_slots
 
@@ -84,12 +90,11 @@ class KVManager:
                               f"tokens, {self.allocator.free_slots} slots free)")
         # First the rest of the last page the request already owns, then the new pages.
         tail = min(new_tokens, -start % ps)
-        first = int(self.rows.table[req.row, start - 1]) + 1 if tail else 0
+        first = self.rows.host[req.row][start - 1] + 1 if tail else 0
         slot_list = list(range(first, first + tail))
         for page in pages:
             slot_list.extend(range(page * ps, page * ps + ps))
-        slots = torch.tensor(slot_list[:new_tokens], dtype=torch.int64)
-        self.rows.table[req.row, start:end] = slots
+        slots = self.rows.assign(req.row, start, slot_list[:new_tokens])
         req.kv_allocated_len = end
         return slots
 
@@ -97,9 +102,10 @@ class KVManager:
         """``[len(reqs), tokens]``: the slots of positions ``starts[i] ..`` of each request,
         which it already holds (a verify block allocated or reserved before its step)."""
         if not reqs:
-            return torch.empty((0, tokens), dtype=torch.int64)
-        rows = torch.tensor([r.row for r in reqs])
-        positions = torch.tensor(starts)[:, None] + torch.arange(tokens)
+            return torch.empty((0, tokens), dtype=torch.int64, device=self.device)
+        rows = from_host([r.row for r in reqs], self.device)
+        positions = (from_host(starts, self.device)[:, None]
+                     + torch.arange(tokens, device=self.device))
         return self.rows.table[rows[:, None], positions]
 
     def position_slots(self, req: Req, start: int, tokens: int) -> torch.Tensor:
@@ -195,8 +201,8 @@ class KVManager:
         ps = self.page_size
         keep_pages, have_pages = -(-keep_tokens // ps), -(-have_tokens // ps)
         if row is not None and have_pages > keep_pages:
-            first = self.rows.table[row, keep_pages * ps: have_pages * ps: ps]
-            self.allocator.free_pages((first // ps).tolist())
+            first = self.rows.host[row][keep_pages * ps: have_pages * ps: ps]
+            self.allocator.free_pages([slot // ps for slot in first])
 
     def release(self, req: Req) -> None:
         """Free a request's slots and its row (finish, abort, retraction)."""

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from refengine.device import from_host
+
 
 def visible_keys(prefix_lens: torch.Tensor, width: int, block_mask: torch.Tensor | None = None,
                  queries: int = 1) -> torch.Tensor:
@@ -88,14 +90,15 @@ class AttentionMetadata:
                                  f"got {[tuple(m.shape) for m in custom_masks]}")
             prefix = [s - shape[1] for s in seq_lens]
             block = torch.stack(custom_masks)
-        meta = cls.over_blocks(req_to_token, rows, torch.tensor(prefix), max_kv, block, max_q)
+        device = req_to_token.device
+        meta = cls.over_blocks(req_to_token, rows, from_host(prefix, device), max_kv, block,
+                               max_q)
         if all(n == max_q for n in extend_lens):
             return meta
         # Padded query rows are never read: a ragged batch attends over each request's own
         # rows and keys, and ``unpad_index`` picks the real rows.
-        i = torch.arange(max_q)
-        valid_q = i[None, :] < torch.tensor(extend_lens)[:, None]
-        meta.unpad_index = (torch.arange(len(extend_lens))[:, None] * max_q + i[None, :])[valid_q]
+        meta.unpad_index = from_host([b * max_q + i for b, n in enumerate(extend_lens)
+                                      for i in range(n)], device)
         meta.ragged = tuple(zip(extend_lens, seq_lens, strict=True))
         return meta
 

@@ -59,13 +59,17 @@ class Rotary:
     """cos/sin tables for every position, computed once (HF's rotate-half convention)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
-        # on the CPU even where the model is built on the meta device (``load``); the model's
-        # placement moves them with it
+        # Computed on the CPU even where the model is built on the meta device (``load``);
+        # ``place`` moves them where the model goes (they are not module state).
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
                                                 device="cpu").float() / head_dim)
         freqs = torch.arange(max_positions, device="cpu").float()[:, None] @ inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]           # [positions, 1, head_dim]
         self.cos, self.sin = emb.cos(), emb.sin()
+
+    def place(self, device: str | torch.device) -> None:
+        """Move the tables to ``device``, in place: the draft models share this object."""
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAt:
         """The tables at one forward's positions, gathered once for all its layers (a row
@@ -237,4 +241,5 @@ class LlamaForCausalLM(nn.Module):
             model = cls(cfg)
         check_state_dict(path, model, weights, "weights do not match config.json")
         model.load_state_dict(weights, strict=True, assign=True)
+        model.rotary.place(device)
         return place_for_decoding(model, device)

@@ -3,11 +3,12 @@
 This is the only place that decides it. Greedy requests walk the tree from the root, at each
 node following the first child (in sibling order) whose token equals the target's argmax there,
 for at most ``num_steps`` drafts; the bonus is the target's argmax after the last accepted node
-(``kernels.tree_reference.greedy_walk``). Sampled requests use tree speculative sampling
-(``speculative.verify.verify_tree_sampling``): each child is accepted with probability ``p/q``, a
-rejection draws from the residual, so every emitted token follows the target's distribution
-exactly. ``sample_path`` is passed in so a worker variant can replace the sampled rule alone.
-The result, a ``VerifyOutcome``, is what resolve commits and draft-extend continues from.
+(``kernels.tree_reference.greedy_walk``; on a GPU its Triton kernel, ``kernels.dispatch``).
+Sampled requests use tree speculative sampling (``speculative.verify.verify_tree_sampling``):
+each child is accepted with probability ``p/q``, a rejection draws from the residual, so every
+emitted token follows the target's distribution exactly. ``sample_path`` is passed in so a
+worker variant can replace the sampled rule alone. The result, a ``VerifyOutcome``, is what
+resolve commits and draft-extend continues from.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refengine.kernels.tree_reference import greedy_walk
+from refengine.kernels.dispatch import greedy_verify_lists
 from refengine.request import Req
 from refengine.sampler import sampling_probs
 from refengine.speculative.inputs import VerifyInput
@@ -41,18 +42,19 @@ def accept(reqs: list[Req], verify_input: VerifyInput, logits: torch.Tensor, num
            sample_path: SamplePath) -> tuple[list[list[int]], list[list[int]]]:
     """``logits [b, N, V]`` of the verify forward -> per request the accepted block offsets
     (root first) and the tokens they emit (accepted drafts, then the bonus)."""
-    # Python lists once for the whole batch: per-element tensor reads cost an op each.
-    draft_tokens = verify_input.draft_tokens.tolist()
-    accept_index, accept_len, bonus = greedy_walk(
-        draft_tokens, verify_input.retrieve_next_token.tolist(),
-        verify_input.retrieve_next_sibling.tolist(),
-        torch.argmax(logits, dim=-1).tolist(), num_steps)
+    # Python lists once for the whole batch, in one transfer: per-element tensor reads cost
+    # an op each (and a host sync each on a GPU).
+    draft_tokens, accept_index, accept_len, bonus = greedy_verify_lists(
+        verify_input.draft_tokens, verify_input.retrieve_next_token,
+        verify_input.retrieve_next_sibling, torch.argmax(logits, dim=-1), num_steps)
     paths, emitted = [], []
     for i, req in enumerate(reqs):
         if req.params.greedy:
             path, last = accept_index[i][: accept_len[i] + 1], bonus[i]
         else:
-            sampled = sample_path(req, verify_input, i, sampling_probs(logits[i], req.params))
+            # The draws use CPU generators: one copy of the request's distributions to the host.
+            sampled = sample_path(req, verify_input, i,
+                                  sampling_probs(logits[i], req.params).cpu())
             path, last = sampled.nodes, sampled.bonus
         paths.append(path)
         emitted.append([draft_tokens[i][j] for j in path[1:]] + [last])

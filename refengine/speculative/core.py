@@ -25,6 +25,7 @@ import torch
 
 from refengine.clock import PhaseClock
 from refengine.config import SpecConfig
+from refengine.device import from_host
 from refengine.memory.manager import KVManager
 from refengine.memory.reservation import DecodeReservation
 from refengine.model.llama import ForwardBatch
@@ -89,7 +90,8 @@ class SpeculativeWorker:
         return self.kv.block_slots(reqs, roots, tokens)
 
     def draft_step(self, reqs: list[Req]) -> DraftStep:
-        return DraftStep(reqs, self.roots(reqs), lambda tokens: self.reserved_slots(reqs, tokens))
+        return DraftStep(reqs, self.roots(reqs), lambda tokens: self.reserved_slots(reqs, tokens),
+                         self.kv.device)
 
     @contextmanager
     def drafting_from_committed_end(self, reqs: list[Req]) -> Iterator[None]:
@@ -168,7 +170,7 @@ class SpeculativeWorker:
 
     def to_verify_input(self, reqs: list[Req], root_tokens: torch.Tensor, found: LoopOutput
                         ) -> VerifyInput:
-        return verify_input(self._chain, root_tokens, found, torch.tensor(self.roots(reqs)),
+        return verify_input(self._chain, root_tokens, found, self.roots(reqs),
                             self.spec.num_draft_tokens)
 
     # --- verify -----------------------------------------------------------------------------
@@ -184,12 +186,13 @@ class SpeculativeWorker:
 
     def sample_path(self, req: Req, verify_input: VerifyInput, row: int, probs: torch.Tensor
                     ) -> SampledPath:
-        """Tree speculative sampling for one sampled request (``probs``: [N, V] float64)."""
-        return verify_tree_sampling(
-            verify_input.draft_tokens[row].tolist(),
-            verify_input.retrieve_next_token[row].tolist(),
-            verify_input.retrieve_next_sibling[row].tolist(), probs, self.spec.num_steps,
-            req.seed, self.output_index(req))
+        """Tree speculative sampling for one sampled request (``probs``: [N, V] float64, on
+        the CPU); its tree comes to the host in one transfer."""
+        tokens, next_token, next_sibling = torch.stack(
+            [verify_input.draft_tokens[row], verify_input.retrieve_next_token[row],
+             verify_input.retrieve_next_sibling[row]]).tolist()
+        return verify_tree_sampling(tokens, next_token, next_sibling, probs, self.spec.num_steps,
+                                    req.seed, self.output_index(req))
 
     def output_index(self, req: Req) -> int:
         """The output index of the first token this step emits for ``req`` (what seeds its
@@ -202,12 +205,13 @@ class SpeculativeWorker:
         """The accepted runs of the requests ``keep`` (unfinished after verify), in order."""
         if not keep:
             return DraftExtendInput.idle(self.runner.target.config.hidden_size,
-                                         outcome.features.dtype)
-        n = outcome.features.shape[1]
-        flat = torch.tensor([i * n + j for i in keep for j in outcome.nodes[i]])
+                                         outcome.features.dtype, outcome.features.device)
+        n, device = outcome.features.shape[1], outcome.features.device
+        lens = [len(outcome.nodes[i]) for i in keep]
+        flat = from_host([i * n + j for i in keep for j in outcome.nodes[i]], device)
         return DraftExtendInput(outcome.features.flatten(0, 1)[flat],
-                                torch.tensor([t for i in keep for t in outcome.emitted[i]]),
-                                torch.tensor([len(outcome.nodes[i]) for i in keep]))
+                                from_host([t for i in keep for t in outcome.emitted[i]], device),
+                                from_host(lens, device), lens)
 
     def install_next(self, reqs: list[Req], accepted: DraftExtendInput) -> None:
         """The drafter's next state for ``reqs``; an idle one when every request finished

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from refengine.config import SpecConfig
+from refengine.device import from_host
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
 from refengine.runner import ModelRunner
@@ -53,7 +54,7 @@ class DraftModelDrafter:
         self.runner = runner
 
     def idle(self) -> CatchUpInput:
-        return CatchUpInput.idle()
+        return CatchUpInput.idle(self.runner.device)
 
     def root_tokens(self, state: CatchUpInput) -> torch.Tensor:
         return state.verified_id
@@ -62,12 +63,13 @@ class DraftModelDrafter:
                 features: torch.Tensor, sampled: dict[str, int]) -> CatchUpInput:
         """The draft writes its KV over the same batch (no logits wanted: the target sampled
         the root); a request whose fill completed gets its state, nothing behind."""
-        no_logits = torch.empty((0,), dtype=torch.int64)
+        device = self.runner.device
+        no_logits = torch.empty((0,), dtype=torch.int64, device=device)
         self.runner.forward_draft_model(
             self.runner.prepare_draft_prefill(batch, batch.input_ids, no_logits))
         done = [r.rid for r in reqs if r.rid in sampled]
-        return CatchUpInput(torch.tensor([sampled[rid] for rid in done], dtype=torch.int64),
-                            torch.zeros(len(done), dtype=torch.int64))
+        return CatchUpInput(from_host([sampled[rid] for rid in done], device),
+                            torch.zeros(len(done), dtype=torch.int64, device=device))
 
     def graph_search(self, step: DraftStep, state: CatchUpInput, loop: DraftLoopGraph
                      ) -> LoopOutput | None:
@@ -77,20 +79,19 @@ class DraftModelDrafter:
         """-> the chain's draft tokens ``[b, S]``."""
         reqs, roots = step.reqs, step.roots
         block = step.slots(self.spec.num_draft_tokens)
-        behind = state.behind.tolist()
-        ids = [t for req, s, k, root in zip(reqs, roots, behind, state.verified_id.tolist(),
-                                            strict=True)
+        behind, root_ids = torch.stack([state.behind, state.verified_id]).tolist()  # one sync
+        ids = [t for req, s, k, root in zip(reqs, roots, behind, root_ids, strict=True)
                for t in (*req.fill_ids[s - k:s], root)]
         logits, features = self.runner.forward_draft_model(self.runner.prepare_tail(
-            reqs, torch.tensor(ids, dtype=torch.int64), [k + 1 for k in behind],
+            reqs, from_host(ids, step.device), [k + 1 for k in behind],
             [s + 1 for s in roots]))
-        start = torch.tensor(roots)
+        start = step.root_positions
 
         def forward(i: int, tokens: torch.Tensor, features: torch.Tensor,
                     node_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
             """Draft token ``d_i`` at position ``s + i``, into the block's slot ``i``."""
             return self.runner.forward_draft_model(self.runner.prepare_draft_step(
-                reqs, tokens, start + i, block[:, i], 1, (start + i + 1).tolist()))
+                reqs, tokens, start + i, block[:, i], 1, [s + i + 1 for s in roots]))
 
         first = torch.argmax(logits, dim=-1)[:, None]
         return chain_search(first, features, self.spec.num_steps, forward)

@@ -11,8 +11,7 @@ per-request state may be installed (never a ``VerifyInput``): those are the phas
 
 from __future__ import annotations
 
-import torch
-
+from refengine.device import from_host
 from refengine.speculative.inputs import CatchUpInput, DraftInput, SeedInput
 
 RowState = DraftInput | SeedInput | CatchUpInput  # what a worker keeps per request between steps
@@ -24,7 +23,8 @@ class DraftState:
         self.draft_input = idle
 
     def _keep(self, keep: list[int]) -> None:
-        self.draft_input = self.draft_input.filter_batch(torch.tensor(keep, dtype=torch.int64))
+        self.draft_input = self.draft_input.filter_batch(from_host(keep,
+                                                                   self.draft_input.device))
         self.rids = [self.rids[i] for i in keep]
 
     def add(self, rids: list[str], rows: RowState) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
+from refengine.device import from_host
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
 from refengine.speculative.draft_search import LoopOutput
@@ -29,16 +30,22 @@ State = TypeVar("State")
 @dataclass(frozen=True)
 class DraftStep:
     """One decode step's requests as a drafter sees them: each request's root position (the
-    newest emitted token, whose KV the verify writes) and ``slots(tokens)``, the
-    ``[len(reqs), tokens]`` reserved slots from each root on."""
+    newest emitted token, whose KV the verify writes), ``slots(tokens)``, the
+    ``[len(reqs), tokens]`` reserved slots from each root on, and the engine's device."""
 
     reqs: list[Req]
     roots: list[int]
     slots: Callable[[int], torch.Tensor]
+    device: torch.device
 
     @property
     def rows(self) -> torch.Tensor:
-        return torch.tensor([r.row for r in self.reqs], dtype=torch.int64)
+        return from_host([r.row for r in self.reqs], self.device)
+
+    @property
+    def root_positions(self) -> torch.Tensor:
+        """``roots`` on the device."""
+        return from_host(self.roots, self.device)
 
 
 class Drafter(Protocol[State]):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from refengine.config import SpecConfig
+from refengine.device import from_host
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
 from refengine.runner import ModelRunner
@@ -42,7 +43,7 @@ class EagleDrafter:
     def idle(self) -> DraftInput:
         target = self.runner.target
         return DraftInput.idle(self.spec.topk, target.config.hidden_size,
-                               target.lm_head.weight.dtype)
+                               target.lm_head.weight.dtype, self.runner.device)
 
     def root_tokens(self, state: DraftInput) -> torch.Tensor:
         return state.verified_id
@@ -65,10 +66,10 @@ class EagleDrafter:
                 last_rows.append(offset + n - 1)
             next_ids.extend(following)
             offset += n
-        roots = torch.tensor([sampled[r.rid] for r in reqs if r.rid in sampled],
-                             dtype=torch.int64)
+        device = self.runner.device
+        roots = from_host([sampled[r.rid] for r in reqs if r.rid in sampled], device)
         draft_batch = self.runner.prepare_draft_prefill(
-            batch, torch.tensor(next_ids), torch.tensor(last_rows, dtype=torch.int64))
+            batch, from_host(next_ids, device), from_host(last_rows, device))
         logits, predicted = self.runner.forward_draft(draft_batch, features)
         topk_p, topk_index = top_k(logits, self.spec.topk)
         return DraftInput(topk_p, topk_index, predicted, roots)
@@ -81,7 +82,7 @@ class EagleDrafter:
         rest."""
         return loop.run({"topk_p": state.topk_p, "topk_index": state.topk_index,
                          "hidden": state.hidden_states, "rows": step.rows,
-                         "roots": torch.tensor(step.roots, dtype=torch.int64),
+                         "roots": step.root_positions,
                          "scratch": step.slots(self.scratch_positions)})
 
     def eager_search(self, step: DraftStep, state: DraftInput) -> LoopOutput:
@@ -95,7 +96,7 @@ class EagleDrafter:
         sit at position ``s + i - 1`` and write scratch KV at row positions ``s + (i-1)w ..
         s + iw - 1``, seeing the committed prefix and (``node_mask``, None: causal) the
         scratch entries of their ancestors."""
-        reqs, seq = step.reqs, torch.tensor(step.roots)
+        reqs, seq = step.reqs, step.root_positions
         slots = step.slots(width * (self.spec.num_steps - 1))
 
         def forward(i: int, tokens: torch.Tensor, features: torch.Tensor,
@@ -105,7 +106,7 @@ class EagleDrafter:
                      else [node_mask[r, :, :i * width] for r in range(len(reqs))])
             batch = self.runner.prepare_draft_step(
                 reqs, tokens, positions, slots[:, (i - 1) * width:i * width].reshape(-1),
-                width, (seq + i * width).tolist(), masks)
+                width, [s + i * width for s in step.roots], masks)
             return self.runner.forward_draft(batch, features)
         return forward
 
@@ -131,5 +132,5 @@ class EagleDrafter:
     def graph_extend(self, step: DraftStep, accepted: DraftExtendInput, graph: DraftLoopGraph
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``eager_extend`` replayed by ``graph``; None when it does not take the batch."""
-        return graph.extend(step.rows, torch.tensor(step.roots, dtype=torch.int64),
+        return graph.extend(step.rows, step.root_positions,
                             accepted.accept_lens, accepted.input_ids, accepted.hidden_states)

@@ -21,11 +21,13 @@ iteration to the next is a recurrent vector of the target's width. Against EAGLE
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
 
 from refengine.config import SpecConfig
+from refengine.device import from_host
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
 from refengine.runner import ModelRunner
@@ -46,7 +48,8 @@ class FrozenKVMTPDrafter:
 
     def idle(self) -> SeedInput:
         target = self.runner.target
-        return SeedInput.idle(target.config.hidden_size, target.lm_head.weight.dtype)
+        return SeedInput.idle(target.config.hidden_size, target.lm_head.weight.dtype,
+                              self.runner.device)
 
     def root_tokens(self, state: SeedInput) -> torch.Tensor:
         return state.bonus_tokens
@@ -55,10 +58,11 @@ class FrozenKVMTPDrafter:
                 features: torch.Tensor, sampled: dict[str, int]) -> SeedInput:
         """A request whose fill completed gets its seed: the sampled token and the feature at
         its last fill position. A chunk mid-prompt needs nothing (no draft KV to fill)."""
-        ends = torch.cumsum(torch.tensor(lens), 0) - 1
+        ends = list(itertools.accumulate(lens))
         done = [i for i, r in enumerate(reqs) if r.rid in sampled]
-        return SeedInput(torch.tensor([sampled[reqs[i].rid] for i in done], dtype=torch.int64),
-                         features[ends[done]] if done else features[:0])
+        device = self.runner.device
+        return SeedInput(from_host([sampled[reqs[i].rid] for i in done], device),
+                         features[from_host([ends[i] - 1 for i in done], device)])
 
     def graph_search(self, step: DraftStep, state: SeedInput, loop: DraftLoopGraph
                      ) -> LoopOutput | None:
@@ -66,7 +70,7 @@ class FrozenKVMTPDrafter:
         tokens and target features as they are, and produces the first candidates itself."""
         return loop.run({"bonus_tokens": state.bonus_tokens, "hidden": state.hidden_states,
                          "rows": step.rows,
-                         "seq_lens": torch.tensor(step.roots, dtype=torch.int64)})
+                         "seq_lens": step.root_positions})
 
     def eager_search(self, step: DraftStep, state: SeedInput) -> LoopOutput:
         """The seed iteration turns the state into the first candidates (what EAGLE's
@@ -77,7 +81,8 @@ class FrozenKVMTPDrafter:
         k, b = self.spec.topk, len(step.reqs)
         batch = self.runner.prepare_frozen_draft(step.reqs, step.roots, k)
         logits, hidden = self.runner.forward_frozen_draft(
-            batch, state.bonus_tokens, state.hidden_states, rows=torch.arange(0, b * k, k))
+            batch, state.bonus_tokens, state.hidden_states,
+            rows=torch.arange(0, b * k, k, device=step.device))
         topk_p, topk_index = top_k(logits, k)
 
         def forward(i: int, tokens: torch.Tensor, hidden: torch.Tensor,

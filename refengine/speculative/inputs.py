@@ -29,6 +29,8 @@ from typing import Self
 
 import torch
 
+from refengine.device import from_host
+
 
 def _rows(tensor: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return tensor.index_select(0, keep)
@@ -46,6 +48,10 @@ class _PerRequestRows:
     @property
     def batch_size(self) -> int:
         return int(getattr(self, fields(self)[0].name).shape[0])  # type: ignore[arg-type]
+
+    @property
+    def device(self) -> torch.device:
+        return getattr(self, fields(self)[0].name).device  # type: ignore[arg-type]
 
     def filter_batch(self, keep: torch.Tensor) -> Self:
         """Rows ``keep`` (int64 indices, in the new batch order), every tensor together."""
@@ -66,12 +72,13 @@ class DraftInput(_PerRequestRows):
     verified_id: torch.Tensor
 
     @classmethod
-    def idle(cls, topk: int, hidden_size: int, dtype: torch.dtype) -> DraftInput:
-        """Zero rows, correct dtypes and trailing shapes: a valid empty draft state."""
-        return cls(topk_p=torch.empty((0, topk), dtype=torch.float32),
-                   topk_index=torch.empty((0, topk), dtype=torch.int64),
-                   hidden_states=torch.empty((0, hidden_size), dtype=dtype),
-                   verified_id=torch.empty((0,), dtype=torch.int64))
+    def idle(cls, topk: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str
+             ) -> DraftInput:
+        """Zero rows, correct dtypes, trailing shapes and device: a valid empty draft state."""
+        return cls(topk_p=torch.empty((0, topk), dtype=torch.float32, device=device),
+                   topk_index=torch.empty((0, topk), dtype=torch.int64, device=device),
+                   hidden_states=torch.empty((0, hidden_size), dtype=dtype, device=device),
+                   verified_id=torch.empty((0,), dtype=torch.int64, device=device))
 
 
 @dataclass
@@ -85,8 +92,10 @@ class SeedInput(_PerRequestRows):
     hidden_states: torch.Tensor
 
     @classmethod
-    def idle(cls, hidden_size: int, dtype: torch.dtype) -> SeedInput:
-        return cls(torch.empty((0,), dtype=torch.int64), torch.empty((0, hidden_size), dtype=dtype))
+    def idle(cls, hidden_size: int, dtype: torch.dtype, device: torch.device | str
+             ) -> SeedInput:
+        return cls(torch.empty((0,), dtype=torch.int64, device=device),
+                   torch.empty((0, hidden_size), dtype=dtype, device=device))
 
 
 @dataclass
@@ -101,8 +110,9 @@ class CatchUpInput(_PerRequestRows):
     behind: torch.Tensor
 
     @classmethod
-    def idle(cls) -> CatchUpInput:
-        return cls(torch.empty((0,), dtype=torch.int64), torch.empty((0,), dtype=torch.int64))
+    def idle(cls, device: torch.device | str) -> CatchUpInput:
+        return cls(torch.empty((0,), dtype=torch.int64, device=device),
+                   torch.empty((0,), dtype=torch.int64, device=device))
 
 
 @dataclass
@@ -114,16 +124,23 @@ class VerifyInput:
     retrieve_index: torch.Tensor
     retrieve_next_token: torch.Tensor
     retrieve_next_sibling: torch.Tensor
+    # Each root's position on the host, where the tree's builder had them (a forward's shapes
+    # need them there); None: read from ``positions``.
+    roots: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
         return int(self.draft_tokens.shape[0])
 
+    def root_positions(self) -> list[int]:
+        """Each root's position (``positions[:, 0]``), from the host copy where there is one."""
+        return self.roots if self.roots is not None else self.positions[:, 0].tolist()
+
     @classmethod
-    def idle(cls, num_draft_tokens: int) -> VerifyInput:
+    def idle(cls, num_draft_tokens: int, device: torch.device | str) -> VerifyInput:
         n = num_draft_tokens
-        empty = torch.empty((0, n), dtype=torch.int64)
-        return cls(empty, torch.empty((0, n, n), dtype=torch.bool), empty.clone(),
+        empty = torch.empty((0, n), dtype=torch.int64, device=device)
+        return cls(empty, torch.empty((0, n, n), dtype=torch.bool, device=device), empty.clone(),
                    empty.clone(), empty.clone(), empty.clone(), empty.clone())
 
 
@@ -132,34 +149,47 @@ class DraftExtendInput:
     hidden_states: torch.Tensor
     input_ids: torch.Tensor
     accept_lens: torch.Tensor
+    # ``accept_lens`` on the host, where the builder had them (the extend batch's shapes need
+    # them there); None: read from the tensor.
+    lens: list[int] | None = None
 
     def __post_init__(self) -> None:
-        total = int(self.accept_lens.sum()) if self.accept_lens.numel() else 0
+        if self.lens is not None and len(self.lens) != self.accept_lens.shape[0]:
+            raise ValueError(f"DraftExtendInput: {len(self.lens)} host lengths for "
+                             f"{self.accept_lens.shape[0]} accept_lens")
+        total = sum(self.host_lens())
         if self.hidden_states.shape[0] != total or self.input_ids.shape[0] != total:
             raise ValueError(f"DraftExtendInput: {self.hidden_states.shape[0]} hidden rows and "
                              f"{self.input_ids.shape[0]} ids for accept_lens summing to {total}")
+
+    def host_lens(self) -> list[int]:
+        """``accept_lens`` as a list, from the host copy where there is one."""
+        return self.lens if self.lens is not None else self.accept_lens.tolist()
 
     @property
     def batch_size(self) -> int:
         return int(self.accept_lens.shape[0])
 
     @classmethod
-    def idle(cls, hidden_size: int, dtype: torch.dtype) -> DraftExtendInput:
-        return cls(torch.empty((0, hidden_size), dtype=dtype), torch.empty((0,), dtype=torch.int64),
-                   torch.empty((0,), dtype=torch.int64))
+    def idle(cls, hidden_size: int, dtype: torch.dtype, device: torch.device | str
+             ) -> DraftExtendInput:
+        return cls(torch.empty((0, hidden_size), dtype=dtype, device=device),
+                   torch.empty((0,), dtype=torch.int64, device=device),
+                   torch.empty((0,), dtype=torch.int64, device=device))
 
     def _offsets(self) -> torch.Tensor:
         return torch.cumsum(self.accept_lens, 0) - self.accept_lens
 
     def filter_batch(self, keep: torch.Tensor) -> DraftExtendInput:
         starts, lens = self._offsets()[keep], self.accept_lens[keep]
-        token_rows = (torch.cat([torch.arange(s, s + n) for s, n in
-                                 zip(starts.tolist(), lens.tolist(), strict=True)])
-                      if len(keep) else torch.empty((0,), dtype=torch.int64))
+        host_lens = lens.tolist()
+        token_rows = from_host([i for s, n in zip(starts.tolist(), host_lens, strict=True)
+                                for i in range(s, s + n)], keep.device)
         return DraftExtendInput(_rows(self.hidden_states, token_rows),
-                                _rows(self.input_ids, token_rows), lens)
+                                _rows(self.input_ids, token_rows), lens, host_lens)
 
     def merge_batch(self, other: DraftExtendInput) -> DraftExtendInput:
         return DraftExtendInput(torch.cat([self.hidden_states, other.hidden_states]),
                                 torch.cat([self.input_ids, other.input_ids]),
-                                torch.cat([self.accept_lens, other.accept_lens]))
+                                torch.cat([self.accept_lens, other.accept_lens]),
+                                self.host_lens() + other.host_lens())

@@ -47,15 +47,16 @@ def verify_tree_sampling(tokens: list[int], next_token: list[int], next_sibling:
                          residual: Residual = residual_without) -> SampledPath:
     """One request's tree; ``probs [N, V]`` float64 is the target distribution after each node.
 
-    ``first_position`` is the output index the first emitted token will take. ``residual``
-    gives the distribution the bonus is drawn from after rejections (a seam for the bug zoo's
-    negative control; the default is the exact one).
+    ``probs`` must be on the CPU (the draws' generators are CPU ones, so every device draws
+    the same tokens). ``first_position`` is the output index the first emitted token will
+    take. ``residual`` gives the distribution the bonus is drawn from after rejections (a
+    seam for the bug zoo's negative control; the default is the exact one).
     """
     node, nodes = 0, [0]
     for depth in range(max_depth + 1):
         gen = draw_generator(seed, first_position + depth)
         p = probs[node]
-        coin = float(torch.rand((), generator=gen, dtype=torch.float64))
+        coin = float(torch.rand((), generator=gen, dtype=torch.float64, device="cpu"))
         below = 0.0
         removed: list[int] = []
         child = next_token[node] if depth < max_depth else -1
