@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import traceback
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,11 @@ CONFIGS: dict[str, EngineConfig] = {
     "draft-model": EngineConfig(spec=SpecConfig(algorithm="draft_model",
                                                 draft_model="tiny-code-draft")),
 }
+# The same steps through the graph runner (its staging and key choice, the draft loops and
+# EAGLE's extend graph): choosing a key reads lengths the host holds, never the device.
+GRAPHED = {f"{name}+graphs": replace(CONFIGS[name], cuda_graph=True, graph_executor="replay")
+           for name in ("plain", "eagle-chain", "eagle-tree", "mtp")}
+CONFIGS.update(GRAPHED)
 
 # Per algorithm: host round-trips in one steady-state decode step of four greedy requests, and
 # which reads they are. "accepted": the accepted tokens, once, with the tree's tokens
@@ -96,6 +102,7 @@ EXPECTED: dict[str, tuple[int, str]] = {
     "draft-model": (2, "accepted; the catch-up state (root tokens and lags, once: the draft's "
                        "first batch is built from the fill tokens they name)"),
 }
+EXPECTED.update({name: EXPECTED[name.removesuffix("+graphs")] for name in GRAPHED})
 
 
 def step_syncs(config: EngineConfig, warmup: int = 3) -> SyncCounter:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from refengine.device import from_host
 from refengine.graph.compile import InPlaceKV, WarmKeys, own_code
 from refengine.graph.cuda_graph import Captured, CudaGraphs, GraphRecorder, clone_outputs
 from refengine.graph.staging import DUMMY_ROW, DUMMY_SLOT, pad_to_bucket
@@ -43,6 +44,7 @@ from refengine.model.attention import AttentionMetadata
 from refengine.model.eagle import EagleDraftModel
 from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
 from refengine.speculative.draft_search import Candidates, LoopOutput, search, top_k
+from refengine.speculative.inputs import DraftExtendInput
 
 
 @dataclass(frozen=True)
@@ -219,7 +221,6 @@ def mtp_loop(draft: FrozenKVMTPDraftModel, pool: KVPool, table: torch.Tensor, to
 GraphOutput = LoopOutput | tuple[torch.Tensor, torch.Tensor]  # a loop's, or extend's
 LOOPS: dict[str, Callable[..., GraphOutput]] = {
     "draft:eagle": eagle_loop, "draft:mtp": mtp_loop, "extend:eagle": eagle_extend}
-LENGTHS = {"draft:eagle": "roots", "draft:mtp": "seq_lens", "extend:eagle": "ends"}
 
 
 def _slice(out: GraphOutput, raw: int) -> GraphOutput:
@@ -271,22 +272,24 @@ class DraftLoopGraph:
         self._captured: dict[tuple[int, int], Captured] = {}
         self._warm = WarmKeys(self.executor == "frozen")
 
-    def key(self, raw: int, lengths: torch.Tensor) -> tuple[int, int] | None:
-        """(bucket, key width) for ``raw`` requests whose committed lengths are ``lengths``
-        (EAGLE's roots, MTP's sequence lengths), or None: no request, too many, or one too
-        long for the widest key (EAGLE's scratch lies past its root)."""
+    def key(self, raw: int, longest: int) -> tuple[int, int] | None:
+        """(bucket, key width) for ``raw`` requests whose longest committed length (EAGLE's
+        roots, MTP's sequence lengths; read on the host, so choosing a key never waits for the
+        device) is ``longest``, or None: no request, too many, or one too long for the widest
+        key (EAGLE's scratch lies past its root)."""
         if raw == 0 or raw > self.sizes[-1]:
             return None
-        longest = int(lengths.max()) + (self.topk * (self.steps - 1)
-                                        if self.kind == "draft:eagle" else 0)
+        longest += self.topk * (self.steps - 1) if self.kind == "draft:eagle" else 0
         if longest > self.kv_sizes[-1]:
             return None
         return (pad_to_bucket(raw, self.sizes),
                 self.kv_sizes[bisect.bisect_left(self.kv_sizes, longest)])
 
-    def run(self, inputs: dict[str, torch.Tensor]) -> GraphOutput | None:
+    def run(self, inputs: dict[str, torch.Tensor], longest: int) -> GraphOutput | None:
+        """The step of ``inputs`` (every field of ``LOOP_FIELDS[kind]``); ``longest``: the
+        largest of its lengths field, from the host."""
         raw = int(inputs["rows"].shape[0])
-        key = self.key(raw, inputs[LENGTHS[self.kind]])
+        key = self.key(raw, longest)
         if key is None:
             return None
         bucket, max_kv = key
@@ -294,17 +297,17 @@ class DraftLoopGraph:
                 f"graph[{self.kind} raw={raw} bucket={bucket} kv={max_kv} {self.executor}]"):
             return _slice(self.execute(key, self.staging.stage(inputs, bucket)), raw)
 
-    def extend(self, rows: torch.Tensor, ends: torch.Tensor, accept_lens: torch.Tensor,
-               ids: torch.Tensor, hidden: torch.Tensor
+    def extend(self, rows: torch.Tensor, ends: list[int], accepted: DraftExtendInput
                ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """An "extend:eagle" graph run from the eager draft-extend's inputs: request i's
-        ``accept_lens[i]`` tokens and features (flat, in request order) end before ``ends[i]``;
-        they are right-aligned in ``N`` columns, the front padded (token 0, zero features, the
-        dummy slot). None when the graph does not take the batch."""
+        accepted tokens and features (flat, in request order) end before ``ends[i]``; they are
+        right-aligned in ``N`` columns, the front padded (token 0, zero features, the dummy
+        slot). None when the graph does not take the batch."""
         assert self.kind == "extend:eagle"
         b, n = rows.shape[0], self.staging.buffers["ids"].shape[1]
-        if b == 0 or int(accept_lens.max()) > n:
+        if b == 0 or max(accepted.host_lens()) > n:
             return None
+        ids, hidden, accept_lens = accepted.input_ids, accepted.hidden_states, accepted.accept_lens
         # Request i's tokens fill its last a_i columns, in flat (row-major) order; column c
         # sits at position ends_i - n + c, as in ``eagle_extend``.
         columns = torch.arange(n, device=rows.device)
@@ -312,10 +315,11 @@ class DraftLoopGraph:
         padded_ids = ids.new_zeros((b, n)).masked_scatter_(real, ids)
         padded_hidden = hidden.new_zeros((b, n, hidden.shape[-1])).masked_scatter_(
             real[..., None], hidden)
-        positions = (ends[:, None] - n + columns).clamp_(min=0)
+        ends_on_device = from_host(ends, rows.device)
+        positions = (ends_on_device[:, None] - n + columns).clamp_(min=0)
         slots = self.table[rows[:, None], positions].masked_fill_(~real, DUMMY_SLOT)
         found = self.run({"ids": padded_ids, "hidden": padded_hidden, "rows": rows,
-                          "ends": ends, "slots": slots})
+                          "ends": ends_on_device, "slots": slots}, max(ends))
         assert found is None or isinstance(found, tuple)
         return found
 

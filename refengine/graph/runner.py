@@ -64,17 +64,22 @@ from refengine.speculative.inputs import VerifyInput
 @dataclass
 class GraphBatch(ForwardBatch):
     """A ``ForwardBatch`` that also says, per request, which row and how many positions it
-    has, and its tree mask (None: causal) -- what staging needs and the flat batch lost."""
+    has, and its tree mask (None: causal) -- what staging needs and the flat batch lost. The
+    lengths come twice: on the device for staging, on the host (``host_seq_lens``) for
+    choosing the key, which must not wait for the device."""
 
     rows: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     tree_mask: torch.Tensor | None = None
+    host_seq_lens: list[int] | None = None
 
     @classmethod
-    def tag(cls, batch: ForwardBatch, rows: torch.Tensor, seq_lens: torch.Tensor,
+    def tag(cls, batch: ForwardBatch, rows: list[int], seq_lens: list[int],
             tree_mask: torch.Tensor | None = None) -> GraphBatch:
+        device = batch.input_ids.device
         return cls(**{f.name: getattr(batch, f.name) for f in fields(ForwardBatch)},
-                   rows=rows, seq_lens=seq_lens, tree_mask=tree_mask)
+                   rows=from_host(rows, device), seq_lens=from_host(seq_lens, device),
+                   tree_mask=tree_mask, host_seq_lens=seq_lens)
 
 
 class GraphRunner:
@@ -166,16 +171,15 @@ class GraphRunner:
                        sample_at: list[int]) -> ForwardBatch:
         starts = [r.kv_committed_len for r in reqs]  # before the wrapped runner extends
         batch = self.runner.prepare_extend(reqs, lens, ids, sample_at)
-        return GraphBatch.tag(batch, from_host([r.row for r in reqs], self.device),
-                              from_host([s + n for s, n in zip(starts, lens, strict=True)],
-                                        self.device))
+        return GraphBatch.tag(batch, [r.row for r in reqs],
+                              [s + n for s, n in zip(starts, lens, strict=True)])
 
     def prepare_verify(self, reqs: list[Req], verify_input: VerifyInput, slots: torch.Tensor,
                        causal: bool) -> ForwardBatch:
         batch = self.runner.prepare_verify(reqs, verify_input, slots, causal)
         n = verify_input.draft_tokens.shape[1]
-        return GraphBatch.tag(batch, from_host([r.row for r in reqs], self.device),
-                              verify_input.positions[:, 0] + n,
+        return GraphBatch.tag(batch, [r.row for r in reqs],
+                              [root + n for root in verify_input.root_positions()],
                               None if causal else verify_input.tree_mask)
 
     # --- forward ----------------------------------------------------------------------------
@@ -184,7 +188,7 @@ class GraphRunner:
         """The key ``batch`` replays on, or None (eager): a tagged batch whose requests all
         bring the same number of tokens, a kind with that many, at most the largest bucket of
         requests, and no request longer than the widest key width."""
-        if not isinstance(batch, GraphBatch) or batch.rows is None or batch.seq_lens is None:
+        if not isinstance(batch, GraphBatch) or batch.rows is None or not batch.host_seq_lens:
             return None
         raw = int(batch.rows.shape[0])
         if raw == 0 or batch.attention.ragged is not None or raw > self.sizes[-1]:
@@ -193,7 +197,7 @@ class GraphRunner:
         kind = next((k for k, n in self.kinds.items() if n == q), None)
         if rest or kind is None:
             return None
-        longest = int(batch.seq_lens.max())
+        longest = max(batch.host_seq_lens)
         if longest > self.kv_sizes[-1]:
             return None
         return GraphKey(kind, pad_to_bucket(raw, self.sizes),

@@ -83,7 +83,7 @@ class EagleDrafter:
         return loop.run({"topk_p": state.topk_p, "topk_index": state.topk_index,
                          "hidden": state.hidden_states, "rows": step.rows,
                          "roots": step.root_positions,
-                         "scratch": step.slots(self.scratch_positions)})
+                         "scratch": step.slots(self.scratch_positions)}, max(step.roots))
 
     def eager_search(self, step: DraftStep, state: DraftInput) -> LoopOutput:
         """``search``: the chain for ``topk == 1`` (no beam, score or mask bookkeeping), else
@@ -132,5 +132,4 @@ class EagleDrafter:
     def graph_extend(self, step: DraftStep, accepted: DraftExtendInput, graph: DraftLoopGraph
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``eager_extend`` replayed by ``graph``; None when it does not take the batch."""
-        return graph.extend(step.rows, step.root_positions,
-                            accepted.accept_lens, accepted.input_ids, accepted.hidden_states)
+        return graph.extend(step.rows, step.roots, accepted)

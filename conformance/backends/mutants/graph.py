@@ -52,9 +52,9 @@ class _PrefixWidthGraphRunner(GraphRunner):
         key = super().graph_key(batch)  # a key only for a GraphBatch with its lengths
         if key is None:
             return None
-        assert isinstance(batch, GraphBatch) and batch.seq_lens is not None
+        assert isinstance(batch, GraphBatch) and batch.host_seq_lens is not None
         # BUG: the width must hold the forward's new tokens too, not just the cached prefix
-        return _on_width_for(self, key, int(batch.seq_lens.max()) - self.kinds[key.kind])
+        return _on_width_for(self, key, max(batch.host_seq_lens) - self.kinds[key.kind])
 
 
 class KeyWidthIgnoresNewTokens(Engine):
@@ -74,8 +74,8 @@ class _FirstRequestWidthGraphRunner(GraphRunner):
         key = super().graph_key(batch)
         if key is None:
             return None
-        assert isinstance(batch, GraphBatch) and batch.seq_lens is not None
-        return _on_width_for(self, key, int(batch.seq_lens[0]))  # BUG: not the longest's
+        assert isinstance(batch, GraphBatch) and batch.host_seq_lens is not None
+        return _on_width_for(self, key, batch.host_seq_lens[0])  # BUG: not the longest's
 
 
 class KeyWidthFromFirstRequest(Engine):

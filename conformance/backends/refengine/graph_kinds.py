@@ -96,8 +96,8 @@ Inputs = TypeVar("Inputs", VerifyInput, DraftInput, SeedInput, DraftExtendInput)
 def on_device(inputs: Inputs, device: torch.device) -> Inputs:
     """``inputs`` with every tensor on ``device``, where the engine keeps a step's inputs
     (drawn on the CPU first, so a seed gives the same case on every device)."""
-    return replace(inputs, **{f.name: getattr(inputs, f.name).to(device)
-                              for f in fields(inputs)})
+    return replace(inputs, **{f.name: value.to(device) for f in fields(inputs)
+                              if isinstance(value := getattr(inputs, f.name), torch.Tensor)})
 
 
 def tree_mask(parents: list[int]) -> torch.Tensor:
@@ -240,7 +240,7 @@ class DraftLoopKind:
         if mode == "eager":
             return Prepared(lambda: loop_outputs(worker.eager_search(reqs, draft_input)), targets,
                             len(reqs))
-        key = loop.key(len(reqs), torch.tensor(worker.roots(reqs), dtype=torch.int64))
+        key = loop.key(len(reqs), max(worker.roots(reqs)))
         if key is None:
             raise RuntimeError(f"graph probe: {len(reqs)} requests do not replay on the "
                                f"{self.loop_kind!r} loop; a graph run that fell back to "
@@ -300,7 +300,7 @@ class DraftExtendKind:
         if mode == "eager":
             return Prepared(lambda: extend_outputs(worker.eager_extend(reqs, accepted)), targets,
                             len(reqs))
-        key = graph.key(len(reqs), ends)
+        key = graph.key(len(reqs), int(ends.max()))
         if key is None:
             raise RuntimeError(f"graph probe: {len(reqs)} requests do not replay on the "
                                "'extend:eagle' graph; a graph run that fell back to eager "
