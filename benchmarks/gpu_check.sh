@@ -48,7 +48,7 @@ cat "$WORK/env.log"
 stage install 120 $PY -m pip install --no-deps --no-build-isolation -q -e .
 
 if [ "$MODE" = quick ]; then
-  stage tests 150 $PY -m pytest -q -n 8 -m gpu tests/gpu -x --no-header -p no:cacheprovider
+  stage tests 150 $PY -m pytest -q -n 8 -m gpu tests/gpu --no-header -p no:cacheprovider
   stage kernels 60 $PY -m pytest -q tests/test_tree_triton.py -p no:xdist -p no:cacheprovider
   stage certify 150 $PY -m conformance.cli certify --device cuda --graphs cuda \
     --spec eagle-tree -n 8 --report "$WORK/cert"

@@ -8,8 +8,8 @@ data, and the run breaks; one that says where it goes runs as before. The guarde
 emit exactly the unguarded run's tokens. The default-device mode is thread-local, so the
 overlap engine with its launch thread is guarded by wrapping the launcher's work in the same
 mode. Plus: loading for another device places everything a forward reads (the rotary tables
-included), a bfloat16 smoke run of every algorithm, the tree-kernel choice on a CPU tensor, and
-(on a machine with CUDA) every algorithm on the GPU.
+included), a bfloat16 smoke run of every algorithm and the tree-kernel choice on a CPU tensor.
+The same algorithms on a GPU: ``tests/gpu/``.
 """
 
 from __future__ import annotations
@@ -172,23 +172,6 @@ def test_tree_kernels_on_a_cpu_tensor_are_the_references(monkeypatch: pytest.Mon
     assert tree_kernels(torch.zeros(2, dtype=torch.int64)) == "reference"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert tree_kernels(torch.zeros(2, dtype=torch.int64)) == "reference"
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ALGORITHMS)
-def test_every_algorithm_runs_on_cuda(name: str, dtype: str) -> None:
-    engine = Engine(EngineConfig(**CASES[name], device="cuda", dtype=dtype))
-    assert engine.kv.device.type == "cuda" and engine.model.rotary.cos.device.type == "cuda"
-    assert_finished(engine.generate(PROMPTS, PARAMS))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_tree_kernels_on_cuda_are_triton_when_installed() -> None:
-    from refengine.kernels.tree_triton import triton_runnable
-
-    want = "triton" if triton_runnable() else "reference"
-    assert tree_kernels(torch.zeros(2, dtype=torch.int64, device="cuda")) == want
 
 
 @pytest.mark.parametrize("algorithm", ["eagle", "frozen_kv_mtp", "draft_model"])

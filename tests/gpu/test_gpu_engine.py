@@ -47,6 +47,14 @@ def oracle() -> ReferenceOracle:
     return ReferenceOracle("tiny-code")
 
 
+def assert_on_the_device(e: Engine) -> None:
+    """The pools, the row table, the weights and the rotary tables (plain attributes, which a
+    module's ``to`` does not move) all on the GPU."""
+    assert e.kv.device.type == "cuda" and e.kv.rows.table.device.type == "cuda"
+    assert e.model.rotary.cos.device.type == "cuda"
+    assert all(p.device.type == "cuda" for p in e.model.parameters())
+
+
 def assert_all_returned(e: Engine) -> None:
     view = e.memory()
     assert view.free == view.capacity and view.rows_free == view.rows_capacity, view
@@ -57,6 +65,7 @@ def assert_all_returned(e: Engine) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_float32_on_cuda_is_lossless(oracle: ReferenceOracle, case: str, graphs: bool) -> None:
     e = engine(CASES[case], graphs=graphs)
+    assert_on_the_device(e)
     outs = e.generate(PROMPTS, PARAMS)
     for out, params in zip(outs, PARAMS, strict=True):
         assert len(out.output_ids) == params.max_new_tokens
@@ -99,3 +108,13 @@ def test_seeded_sampling_on_cuda_is_reproducible() -> None:
     first = engine(spec, graphs=True).generate(PROMPTS, params)
     second = engine(spec, graphs=True).generate(PROMPTS, params)
     assert [o.output_ids for o in first] == [o.output_ids for o in second]
+
+
+def test_tree_kernels_on_cuda_are_the_compiled_triton_ones() -> None:
+    """The engine's tree build and greedy verify on a CUDA tensor: Triton, compiled (the
+    interpreter is never the engine's)."""
+    from refengine.kernels.dispatch import tree_kernels
+    from refengine.kernels.tree_triton import interpreter_enabled, triton_runnable
+
+    assert triton_runnable() and not interpreter_enabled()
+    assert tree_kernels(torch.zeros(2, dtype=torch.int64, device="cuda")) == "triton"
