@@ -9,8 +9,9 @@
 #
 #   bash benchmarks/gpu_check.sh [quick|full]
 #
-# quick: a few minutes (the tests, one spec's certify, one mutant, a short bench);
-# full: every spec, the three mutants, the whole bench table. Each stage has its own time
+# quick: a few minutes (the tests, one spec's certify, one mutant, a short bench, the profile);
+# full: every spec, the three mutants, the bench table at batch 1, 8 and 32 (the profile of a
+# step: benchmarks/gpu_profile.py on its own). Each stage has its own time
 # limit and a failed stage does not stop the next; the summary at the end lists each stage's
 # exit status (docs/gpu.md); a mutant's stage passes when certify exits 1 (the check failed).
 set -u
@@ -34,7 +35,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to $WORK/NAME.
 }
 
 mutant() {  # mutant NAME SPEC CHECK: the check meant to kill it, on the device (rc=1: killed)
-  stage "mutant-$1" 90 $PY -m conformance.cli certify --device cuda --graphs cuda \
+  stage "mutant-$1" 45 $PY -m conformance.cli certify --device cuda --graphs cuda \
     --backend "mutant:$1" --spec "$2" -k "$3" -n 4 --report "$WORK/mutant-$1"
 }
 
@@ -58,16 +59,23 @@ if [ "$MODE" = quick ]; then
   stage profile 90 $PY benchmarks/gpu_profile.py --lanes plain,eagle-chain --tokens 64 \
     --json "$WORK/profile.json"
 else
-  stage tests 180 $PY -m pytest -q -n 8 -m gpu tests/gpu --no-header -p no:cacheprovider
-  stage kernels 60 $PY -m pytest -q tests/test_tree_triton.py -p no:xdist -p no:cacheprovider
-  stage certify 300 $PY -m conformance.cli certify --device cuda --graphs cuda --spec all \
-    -n 12 --report "$WORK/cert"
-  mutant bonus_tokens_not_restaged mtp test_graph_matches_eager_at_every_size
-  mutant stale_padded_rows none test_padded_rows_follow_the_policy
-  mutant extend_padding_not_restaged eagle test_acceptance_matches_golden
-  stage bench 240 $PY -m conformance.cli bench --device cuda --graphs cuda --spec mtp \
-    --backends refengine,hf --batch-sizes 1,8,32 --json "$WORK/bench.json"
-  stage profile 120 $PY benchmarks/gpu_profile.py --json "$WORK/profile.json"
+  # Correctness side by side (certify on its workers; the tests, kernels and mutants on
+  # theirs), then the timings alone on the machine.
+  stage certify 230 $PY -m conformance.cli certify --device cuda --graphs cuda --spec all \
+    -n 12 --case-timeout 120 --report "$WORK/cert" &
+  (
+    stage tests 110 $PY -m pytest -q -n 4 -m gpu tests/gpu --no-header -p no:cacheprovider \
+      --timeout 90
+    stage kernels 30 $PY -m pytest -q tests/test_tree_triton.py -p no:xdist -p no:cacheprovider
+    mutant bonus_tokens_not_restaged mtp test_graph_matches_eager_at_every_size
+    mutant stale_padded_rows none test_padded_rows_follow_the_policy
+    mutant extend_padding_not_restaged eagle test_acceptance_matches_golden
+  ) &
+  wait
+  tar -czf "$OUT/correctness.tgz" -C "$WORK" .  # in hand even if the bench overruns
+  stage bench 130 $PY -m conformance.cli bench --device cuda --graphs cuda --spec mtp \
+    --backends refengine,hf --batch-sizes 1,8,32 --min-requests 2 --max-new-tokens 32 \
+    --json "$WORK/bench.json"
 fi
 cp "$SUMMARY" "$OUT/"
 cp "$WORK"/*.json "$OUT/" 2>/dev/null

@@ -33,6 +33,7 @@ from refengine.kernels.tree_reference import (
 from refengine.kernels.tree_triton import (
     NOT_RUNNABLE,
     build_tree_triton,
+    interpreter_enabled,
     triton_runnable,
     verify_tree_greedy_triton,
 )
@@ -47,9 +48,16 @@ FEW = settings(max_examples=20, deadline=None, derandomize=True, database=None)
 TREE_FIELDS = ("tokens", "parents", "depth", "mask", "next_token", "next_sibling")
 
 
+def on_kernel_device(*args: object) -> tuple[object, ...]:
+    """The kernels' arguments where they run: the CPU under the interpreter, else the GPU
+    (compiled Triton reads device memory only); the references keep theirs on the CPU."""
+    device = "cpu" if interpreter_enabled() else "cuda"
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
 def _assert_same(got: object, want: object, fields: tuple[str, ...]) -> None:
     for name in fields:
-        g, w = getattr(got, name), getattr(want, name)
+        g, w = getattr(got, name).cpu(), getattr(want, name)
         assert g.dtype == w.dtype and g.shape == w.shape, (name, g.dtype, w.dtype, g.shape)
         assert torch.equal(g, w), (name, g, w)
 
@@ -57,8 +65,8 @@ def _assert_same(got: object, want: object, fields: tuple[str, ...]) -> None:
 @needs_triton_runtime
 def test_published_vector() -> None:
     v = published_greedy_vector()
-    got = verify_tree_greedy_triton(v.tokens, v.next_token, v.next_sibling, v.target_predict,
-                                    v.max_depth)
+    got = verify_tree_greedy_triton(*on_kernel_device(v.tokens, v.next_token, v.next_sibling,
+                                                      v.target_predict, v.max_depth))
     assert got.accept_index.tolist() == v.accept_index.tolist()
     assert got.accept_len.tolist() == v.accept_len.tolist()
     assert got.bonus.tolist() == v.bonus.tolist()
@@ -69,7 +77,8 @@ def test_published_vector() -> None:
 @given(case=tree_cases())
 def test_build_matches_reference(case: TreeCase) -> None:
     args = (case.root, case.cand_tokens, case.cand_parents, case.selected)
-    _assert_same(build_tree_triton(*args), build_tree_reference(*args), TREE_FIELDS)
+    _assert_same(build_tree_triton(*on_kernel_device(*args)), build_tree_reference(*args),
+                 TREE_FIELDS)
 
 
 @needs_triton_runtime
@@ -79,8 +88,8 @@ def test_verify_matches_reference(case: TreeCase) -> None:
     tree = build_tree_reference(case.root, case.cand_tokens, case.cand_parents, case.selected)
     args = (tree.tokens, tree.next_token, tree.next_sibling, case.target_predict,
             case.max_depth)
-    _assert_same(verify_tree_greedy_triton(*args), verify_tree_greedy_reference(*args),
-                 ("accept_index", "accept_len", "bonus"))
+    _assert_same(verify_tree_greedy_triton(*on_kernel_device(*args)),
+                 verify_tree_greedy_reference(*args), ("accept_index", "accept_len", "bonus"))
 
 
 @needs_triton_runtime
@@ -91,15 +100,17 @@ def test_int32_inputs_and_empty_batch() -> None:
     cand_parents = torch.tensor([[-1, -1, 0, 0, 1, 1]] * 2, dtype=torch.int32)
     selected = torch.tensor([[0, 1, 2, 4], [0, 1, 3, 5]], dtype=torch.int32)
     args = (root, cand_tokens, cand_parents, selected)
-    _assert_same(build_tree_triton(*args), build_tree_reference(*args), TREE_FIELDS)
+    _assert_same(build_tree_triton(*on_kernel_device(*args)), build_tree_reference(*args),
+                 TREE_FIELDS)
     empty = (root[:0], cand_tokens[:0], cand_parents[:0], selected[:0])
-    _assert_same(build_tree_triton(*empty), build_tree_reference(*empty), TREE_FIELDS)
+    _assert_same(build_tree_triton(*on_kernel_device(*empty)), build_tree_reference(*empty),
+                 TREE_FIELDS)
 
 
 @needs_triton_runtime
 def test_build_rejects_a_node_without_its_parent() -> None:
     with pytest.raises(ValueError, match=ORPHAN_ERROR):
-        build_tree_triton(*orphan_tree_args())
+        build_tree_triton(*on_kernel_device(*orphan_tree_args()))
 
 
 def test_refuses_to_run_without_gpu_or_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
