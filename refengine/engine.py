@@ -221,6 +221,9 @@ class Engine:
                 if self.worker is not None:
                     self.worker.drop(r.rid)
             if batch.reqs and self._launcher is not None and batch.mode == "decode":
+                # Graphs the launch thread needed first are captured here, on this thread,
+                # while nothing else runs (a capture beside the resolve below would race it).
+                self.runner.capture_pending()
                 running = self._launcher.submit(self.launch, batch)
             elif batch.reqs:
                 launched = self.launch(batch)

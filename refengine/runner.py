@@ -48,6 +48,9 @@ class ModelRunner:
         """Host integers as one int64 tensor on the device (one copy, not one per element)."""
         return from_host(values, self.device)
 
+    def capture_pending(self) -> None:
+        """Nothing to capture: the eager runner has no graphs (``GraphRunner`` has)."""
+
     def attention_metadata(self, rows: torch.Tensor, extend_lens: list[int],
                            seq_lens: list[int], masks: list[torch.Tensor] | None = None
                            ) -> AttentionMetadata:

@@ -131,3 +131,31 @@ def test_default_graph_executor_follows_the_device() -> None:
     assert EngineConfig(device="cuda:1", graph_executor="replay").graph_executor == "replay"
     with pytest.raises(ValueError, match=r"^graph_executor: 'frozen' folds"):
         EngineConfig(device="cuda", graph_executor="frozen")
+
+
+def test_launch_thread_leaves_new_keys_to_the_engines_thread(spec_pair: tuple[Path, Path],
+                                                             emulated: None) -> None:
+    """Under overlap scheduling with its launch thread, a key first needed there runs eagerly
+    and is queued; the engine captures the queue on its own thread before the next launch
+    (the emulated recorder refuses a capture anywhere else, as a GPU capture beside the
+    resolving thread's work failed)."""
+    engine = spec_engine(spec_pair, "chain-s3-n4", True, max_running_requests=8,
+                         cuda_graph=True, graph_executor="replay")
+    runner = engine.runner
+    assert engine._launcher is not None and isinstance(runner, GraphRunner)
+    assert isinstance(runner.executor, CudaGraphExecutor)
+    loops = [g for g in (runner.draft_loop, runner.draft_extend) if g is not None]
+    queued: list[int] = []
+    capture_pending = runner.capture_pending
+
+    def counting() -> None:
+        queued.append(len(runner.executor.pending) + sum(len(g.pending) for g in loops))
+        capture_pending()
+        assert not runner.executor.pending and not any(g.pending for g in loops)
+
+    runner.capture_pending = counting  # type: ignore[method-assign]
+    eager = spec_engine(spec_pair, "chain-s3-n4", True, max_running_requests=8,
+                        overlap_thread=False).generate(SPEC_PROMPTS, STAGGERED)
+    graphed = engine.generate(SPEC_PROMPTS, STAGGERED)
+    assert [o.output_ids for o in graphed] == [o.output_ids for o in eager]
+    assert max(queued) > 0 and recorder(engine).captures == captured_keys(engine)

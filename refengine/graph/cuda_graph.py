@@ -16,6 +16,12 @@ may overwrite memory another key's outputs live in, so the outputs of a replay a
 until the next replay of any key: ``outputs_persist`` makes the graph runner copy them out at
 once, and ``DraftLoopGraph`` does the same with a loop's outputs.
 
+Captures happen only on the thread that built the recorder (the engine's): a graph captured
+on the overlap scheduler's launch thread while the resolving thread ran its own CUDA work was
+invalidated on a GPU. A key first needed on another thread runs eagerly that once and is
+queued (``pending``); the engine captures the queue (``GraphRunner.capture_pending``) on its own
+thread before the next launch, on a batch of padding, while nothing else runs.
+
 ``EmulatedGraphs`` is a CPU stand-in with the same observable contract (static outputs,
 overwritten in place by every replay; inputs read at replay), so the executor's capture,
 staging and copy-out logic runs in CPU tests and CI; only the recording itself needs a GPU.
@@ -23,6 +29,7 @@ staging and copy-out logic runs in CPU tests and CI; only the recording itself n
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,18 +58,33 @@ class Captured:
 
 class GraphRecorder(Protocol):
     name: str
+    captures: int
 
     def capture(self, fn: Callable[[], Any]) -> Captured:
         """Record ``fn`` (which reads only fixed addresses) for replay."""
 
+    def may_capture(self) -> bool:
+        """Whether this thread may capture now (the recorder's own thread only)."""
 
-class CudaGraphs:
+
+class OwnThread:
+    """Capturing is allowed on the thread that made the recorder, and nowhere else."""
+
+    def __init__(self) -> None:
+        self.owner = threading.get_ident()
+
+    def may_capture(self) -> bool:
+        return threading.get_ident() == self.owner
+
+
+class CudaGraphs(OwnThread):
     """Real CUDA graphs on one device: warm-up on a side stream, then capture into the
     recorder's private memory pool, shared by all its graphs (see the module docstring)."""
 
     name = "cuda"
 
     def __init__(self, device: torch.device | str) -> None:
+        super().__init__()
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"graph_executor: 'cuda' needs a CUDA device, got {self.device}")
@@ -80,10 +102,7 @@ class CudaGraphs:
                 fn()
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: under overlap scheduling the resolving thread may synchronise on the
-        # default stream while the launch thread captures; only the capturing thread's own
-        # calls are checked.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool):
             outputs = fn()
         torch.cuda.synchronize(self.device)
         self.captures += 1
@@ -103,7 +122,7 @@ def _copy_into(static: Any, fresh: Any) -> None:
             _copy_into(getattr(static, name), getattr(fresh, name))
 
 
-class EmulatedGraphs:
+class EmulatedGraphs(OwnThread):
     """A CPU stand-in for ``CudaGraphs``: capture calls ``fn`` once and keeps its result as the
     static outputs; a replay calls ``fn`` again and copies the result into those same tensors.
     What a CPU test can then see, as on a GPU: inputs are read at replay (a stale staged buffer
@@ -112,10 +131,12 @@ class EmulatedGraphs:
     name = "cuda"
 
     def __init__(self) -> None:
+        super().__init__()
         self.captures = 0
         self.capture_seconds = 0.0
 
     def capture(self, fn: Callable[[], Any]) -> Captured:
+        assert self.may_capture(), "a capture off the recorder's thread"
         outputs = fn()
         self.captures += 1
 
@@ -148,14 +169,20 @@ class CudaGraphExecutor:
     def __init__(self, forward: StaticForward, graphs: GraphRecorder) -> None:
         self.forward, self.graphs = forward, graphs
         self._captured: dict[GraphKey, Captured] = {}
+        self.pending: set[GraphKey] = set()  # first needed off the recorder's thread
 
     def prepare(self, key: GraphKey, views: StagedViews) -> None:
         if key not in self._captured:
             with torch.inference_mode():
                 self._captured[key] = self.graphs.capture(lambda: self.forward(key, views))
+        self.pending.discard(key)
 
     def run(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
-        self.prepare(key, views)
+        if key not in self._captured:
+            if not self.graphs.may_capture():
+                self.pending.add(key)
+                return self.forward(key, views)  # eagerly, this once
+            self.prepare(key, views)
         return self._captured[key].replay()
 
     @property

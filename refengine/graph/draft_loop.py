@@ -270,6 +270,7 @@ class DraftLoopGraph:
         self._compiled: dict[tuple[int, int], Callable[..., Any]] = {}
         self._recorder = (recorder or CudaGraphs(table.device)) if executor == "cuda" else None
         self._captured: dict[tuple[int, int], Captured] = {}
+        self.pending: set[tuple[int, int]] = set()  # "cuda" keys first needed off its thread
         self._warm = WarmKeys(self.executor == "frozen")
 
     def key(self, raw: int, longest: int) -> tuple[int, int] | None:
@@ -323,6 +324,14 @@ class DraftLoopGraph:
         assert found is None or isinstance(found, tuple)
         return found
 
+    def capture_pending(self) -> None:
+        """Capture the "cuda" keys first needed off the recorder's thread, each on a batch of
+        padding (which writes only the dummy page)."""
+        if self._recorder is None or not self._recorder.may_capture():
+            return
+        for key in sorted(self.pending):
+            self.execute(key, self.staging.stage(None, key[0]))
+
     def execute(self, key: tuple[int, int], views: dict[str, torch.Tensor]) -> GraphOutput:
         args = (self.draft, self.pool, self.table, self.topk, self.steps, key[1])
         with torch.inference_mode():
@@ -330,8 +339,12 @@ class DraftLoopGraph:
                 return self._loop(*args, **views)
             if self._recorder is not None:  # "cuda": replay the key's graph, copy out
                 if key not in self._captured:
+                    if not self._recorder.may_capture():
+                        self.pending.add(key)
+                        return self._loop(*args, **views)  # eagerly, this once
                     self._captured[key] = self._recorder.capture(
                         lambda: self._loop(*args, **views))
+                    self.pending.discard(key)
                 return clone_outputs(self._captured[key].replay())
             if key not in self._compiled:
                 self._compiled[key] = torch.compile(own_code(self._loop), fullgraph=True,

@@ -229,6 +229,19 @@ class GraphRunner:
                 logits = logits.index_select(0, batch.logits_index)
         return ForwardOutput(logits, features)
 
+    def capture_pending(self) -> None:
+        """Capture the CUDA-graph keys a launch thread needed first (it ran them eagerly: a
+        capture there would race the resolving thread's CUDA work), each on a batch of padding.
+        The engine calls it on its own thread before a launch, while nothing else runs."""
+        graphs = getattr(self.executor, "graphs", None)
+        if graphs is None or not graphs.may_capture():
+            return
+        for key in sorted(self.executor.pending):  # type: ignore[attr-defined]
+            self.executor.prepare(key, self.staging[key.kind].stage(None, key.bucket))
+        for loop in (self.draft_loop, self.draft_extend):
+            if loop is not None:
+                loop.capture_pending()
+
     def capture(self, kinds: Sequence[str] | None = None, sizes: Sequence[int] | None = None,
                 kv_sizes: Sequence[int] | None = None) -> dict[GraphKey, float]:
         """Capture or compile keys ahead of serving, each on a batch of padding only (which
