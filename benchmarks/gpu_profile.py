@@ -21,8 +21,8 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from conformance.bench.device import kernel_time
 from conformance.bench.lanes import load_prompts
 from conformance.run.specs import SPECS
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
@@ -70,9 +70,8 @@ def run(engine: Engine, prompts: list[tuple[int, ...]], tokens: int) -> tuple[in
     return made, steps
 
 
-def measure(lane: str, graphs: bool, batch: int, tokens: int, device: str = "cuda"
-            ) -> Profiled:
-    engine = Engine(EngineConfig(spec=LANES[lane], device=device, cuda_graph=graphs,
+def measure(lane: str, graphs: bool, batch: int, tokens: int) -> Profiled:
+    engine = Engine(EngineConfig(spec=LANES[lane], device="cuda", cuda_graph=graphs,
                                  max_running_requests=max(batch, 1), kv_pool_tokens=16384))
     prompts = load_prompts("tiny-code", batch)
     run(engine, prompts, tokens)  # warm-up: captures every key this workload replays
@@ -81,14 +80,11 @@ def measure(lane: str, graphs: bool, batch: int, tokens: int, device: str = "cud
     made, steps = run(engine, prompts, tokens)
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
-    activity = ProfilerActivity.CUDA if device.startswith("cuda") else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        _, profiled_steps = run(engine, prompts, tokens)
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    device_us = sum(e.device_time for e in kernels)
+    profiled: list[int] = []
+    device_s, launches = kernel_time(lambda: profiled.append(run(engine, prompts, tokens)[1]),
+                                     torch.cuda.synchronize)
     return Profiled(lane, graphs, batch, made, steps, wall, made / wall, 1e3 * wall / steps,
-                    device_us / 1e3 / profiled_steps, len(kernels) / profiled_steps)
+                    1e3 * device_s / profiled[0], launches / profiled[0])
 
 
 def main() -> None:

@@ -56,15 +56,20 @@ class DeviceMeter:
         took, summed (None on the CPU)."""
         if not self.cuda:
             return None
-        from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile
+        return kernel_time(run, self.sync)[0]
 
-        self.sync()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            run()
-            self.sync()
-        events = prof.events()
-        on_device = sum(e.device_time_total for e in events if e.device_type == DeviceType.CUDA)
-        if not on_device:  # device events only attached to the host ops that launched them
-            on_device = sum(k.duration for e in events for k in e.kernels)
-        return on_device / 1e6
+
+def kernel_time(run: Callable[[], object], sync: Callable[[], None]) -> tuple[float, int]:
+    """``run`` under the profiler, CUDA activity only (recording every host op too made a
+    bench pass many times slower on a GPU) -> (seconds of device time of the kernels and copies
+    it put on the device, summed; how many there were). A CUDA graph's replay counts each of
+    its kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        sync()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / 1e6, len(kernels)
