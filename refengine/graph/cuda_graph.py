@@ -16,11 +16,12 @@ may overwrite memory another key's outputs live in, so the outputs of a replay a
 until the next replay of any key: ``outputs_persist`` makes the graph runner copy them out at
 once, and ``DraftLoopGraph`` does the same with a loop's outputs.
 
-Captures happen only on the thread that built the recorder (the engine's): a graph captured
-on the overlap scheduler's launch thread while the resolving thread ran its own CUDA work was
-invalidated on a GPU. A key first needed on another thread runs eagerly that once and is
-queued (``pending``); the engine captures the queue (``GraphRunner.capture_pending``) on its own
-thread before the next launch, on a batch of padding, while nothing else runs.
+Captures happen only on the thread that built the recorder (the engine's): a capture on the
+overlap scheduler's launch thread, beside the resolving thread's own CUDA work, can be
+invalidated by it (docs/decisions.md). A key first needed on another thread runs eagerly that
+once and is queued (``pending``); the engine captures the queue
+(``GraphRunner.capture_pending``) on its own thread before the next launch, on a batch of
+padding, while nothing else runs.
 
 ``EmulatedGraphs`` is a CPU stand-in with the same observable contract (static outputs,
 overwritten in place by every replay; inputs read at replay), so the executor's capture,
@@ -30,7 +31,6 @@ staging and copy-out logic runs in CPU tests and CI; only the recording itself n
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -90,10 +90,8 @@ class CudaGraphs(OwnThread):
             raise ValueError(f"graph_executor: 'cuda' needs a CUDA device, got {self.device}")
         self.pool = torch.cuda.graph_pool_handle()
         self.captures = 0
-        self.capture_seconds = 0.0
 
     def capture(self, fn: Callable[[], Any]) -> Captured:
-        start = time.perf_counter()
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
@@ -106,7 +104,6 @@ class CudaGraphs(OwnThread):
             outputs = fn()
         torch.cuda.synchronize(self.device)
         self.captures += 1
-        self.capture_seconds += time.perf_counter() - start
         return Captured(graph.replay, outputs)
 
 
@@ -133,7 +130,6 @@ class EmulatedGraphs(OwnThread):
     def __init__(self) -> None:
         super().__init__()
         self.captures = 0
-        self.capture_seconds = 0.0
 
     def capture(self, fn: Callable[[], Any]) -> Captured:
         assert self.may_capture(), "a capture off the recorder's thread"
