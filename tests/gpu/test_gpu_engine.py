@@ -5,6 +5,8 @@ in float32 (lossless against the CPU float32 reference by the near-tie rule) and
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -19,6 +21,16 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(),
                        reason="needs a CUDA device (torch.cuda.is_available() is False)"),
 ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def share_the_cores() -> None:
+    """xdist workers share the machine's cores: torch's default (every core in every process)
+    had the workers' OpenMP threads spinning against each other on the host-side work (the CPU
+    oracle, each step's Python) until a 16-core GPU machine crawled."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
 
 CASES: dict[str, SpecConfig | None] = {
     "plain": None,
