@@ -36,7 +36,7 @@ def main() -> None:
         "v1": Engine(replace(base, spec=SpecConfig())),
         "v2 deterministic": Engine(replace(base, spec=SpecConfig(overlap=True),
                                            overlap_thread=False)),
-        "v2 thread": Engine(replace(base, spec=SpecConfig(overlap=True))),
+        "v2 thread": Engine(replace(base, spec=SpecConfig(overlap=True), overlap_thread=True)),
     }
     warm = SamplingParams(max_new_tokens=4, ignore_eos=True)
     for engine in engines.values():

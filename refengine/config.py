@@ -45,8 +45,11 @@ class EngineConfig:
     retract_every: int = 0  # test hook: retract the middle decoding request every N decode steps
     # Overlap scheduling (SpecConfig(overlap=True)): run each decode step's forwards on a worker
     # thread while the previous step is resolved. False: the same one-step-late order in one
-    # thread (deterministic mode, for tests). Both give the same tokens.
-    overlap_thread: bool = True
+    # thread (deterministic mode). Both give the same tokens. None: the device's default, the
+    # thread where launches are asynchronous (CUDA: the host resolves while the GPU computes),
+    # one thread on the CPU, where the launch thread only competes with torch's own threads
+    # for the same cores (docs/measurements.md).
+    overlap_thread: bool | None = None
 
     def __post_init__(self) -> None:
         require(isinstance(self.model, str) and bool(self.model), "model",
@@ -72,6 +75,8 @@ class EngineConfig:
                  f"must be an integer >= 0, got {self.seed!r}")
         require(is_int(self.retract_every) and self.retract_every >= 0, "retract_every",
                  f"must be an integer >= 0 (0 = off), got {self.retract_every!r}")
+        if self.overlap_thread is None:  # frozen dataclass: resolve the default once, here
+            object.__setattr__(self, "overlap_thread", self.device.startswith("cuda"))
         require(isinstance(self.overlap_thread, bool), "overlap_thread",
                  f"must be a bool, got {self.overlap_thread!r}")
         require(isinstance(self.cuda_graph, bool), "cuda_graph",

@@ -196,6 +196,17 @@ def test_ratios_set_graph_lanes_beside_eager_and_other_backends() -> None:
     assert ratio_pairs(spec) == [("plain+compiled", "plain"), ("chain-s3-n4", "plain")]
 
 
+def test_overlap_lanes_are_set_beside_their_sequential_twins() -> None:
+    """``--spec eagle-v2``: each V2 lane (and its graph twin) over its V1 twin, so the table
+    reads V2/V1 off at every batch size."""
+    lanes = ["plain", "chain-s3-n4", "chain-s3-n4-v2", "chain-s3-n4+cuda",
+             "chain-s3-n4-v2+cuda"]
+    result = BenchResult("eagle-v2", "m", 4, 1, lanes, {})
+    pairs = ratio_pairs(result)
+    assert ("chain-s3-n4-v2", "chain-s3-n4") in pairs
+    assert ("chain-s3-n4-v2+cuda", "chain-s3-n4+cuda") in pairs
+
+
 def test_the_fastest_lane_is_set_against_each_yardstick() -> None:
     """With a spec, further backends are yardsticks: each batch size's fastest lane of the
     first backend is printed over each of them."""

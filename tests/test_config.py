@@ -47,7 +47,7 @@ ENGINE_BAD: list[tuple[str, Any]] = [
     ("strict_mem_check", 1), ("strict_mem_check", "yes"), ("strict_mem_check", None),
     ("cuda_graph", 1), ("cuda_graph", "yes"), ("graph_executor", "cuda"),
     ("graph_executor", "tensorrt"), ("graph_executor", 1),
-    ("overlap_thread", 1), ("overlap_thread", None),
+    ("overlap_thread", 1), ("overlap_thread", "yes"),
     ("seed", -1), ("seed", 0.5), ("seed", False), ("seed", None),
 ]
 
@@ -113,3 +113,10 @@ def test_configs_are_frozen() -> None:
     p = SamplingParams()
     with pytest.raises(AttributeError):
         p.max_new_tokens = 3  # type: ignore[misc]
+
+
+def test_overlap_thread_defaults_to_the_device() -> None:
+    """The launch thread where launches are asynchronous (CUDA), one thread on the CPU."""
+    assert EngineConfig().overlap_thread is False
+    assert EngineConfig(device="cuda").overlap_thread is True
+    assert EngineConfig(overlap_thread=True).overlap_thread is True

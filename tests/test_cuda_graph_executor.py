@@ -140,7 +140,7 @@ def test_launch_thread_leaves_new_keys_to_the_engines_thread(spec_pair: tuple[Pa
     (the emulated recorder refuses a capture anywhere else, as a GPU capture beside the
     resolving thread's work failed)."""
     engine = spec_engine(spec_pair, "chain-s3-n4", True, max_running_requests=8,
-                         cuda_graph=True, graph_executor="replay")
+                         cuda_graph=True, graph_executor="replay", overlap_thread=True)
     runner = engine.runner
     assert engine._launcher is not None and isinstance(runner, GraphRunner)
     assert isinstance(runner.executor, CudaGraphExecutor)

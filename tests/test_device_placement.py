@@ -96,7 +96,8 @@ class GuardedLauncher:
 
 
 def test_overlap_launch_thread_guarded() -> None:
-    engine = Engine(EngineConfig(spec=SpecConfig(topk=2, num_draft_tokens=6, overlap=True)))
+    engine = Engine(EngineConfig(spec=SpecConfig(topk=2, num_draft_tokens=6, overlap=True),
+                                 overlap_thread=True))
     want = generate(engine)
     assert engine._launcher is not None
     launcher = GuardedLauncher(engine._launcher)

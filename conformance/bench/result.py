@@ -162,7 +162,8 @@ def ratio_pairs(result: BenchResult) -> list[tuple[str, str]]:
     """(numerator, denominator) lanes of the table's ratio columns. With a spec: each eager
     configuration over plain decoding (its speedup); each graph twin over its eager lane, and
     a configuration's graph twin over plain decoding's graph twin (the speedup with graphs);
-    plain decoding's graph twin over each yardstick. With ``--spec none``: each graph twin of
+    each overlap (V2) lane over its sequential (V1) twin; plain decoding's graph twin over each
+    yardstick. With ``--spec none``: each graph twin of
     the first backend over its eager lane, then each of the first backend's lanes over each
     other backend (so "refengine+compiled/hf" is read off, not worked out)."""
     first, others = result.backends[0], result.backends[1:]
@@ -176,6 +177,11 @@ def ratio_pairs(result: BenchResult) -> list[tuple[str, str]]:
             pairs.append((n, eager))
             if eager != first and f"{first}+{graphs}" in result.backends:
                 pairs.append((n, f"{first}+{graphs}"))
+        for n in others:  # overlap scheduling (V2) beside its sequential twin (V1)
+            eager, plus, graphs = n.partition("+")
+            sequential = eager.removesuffix("-v2") + plus + graphs
+            if eager.endswith("-v2") and sequential in result.backends:
+                pairs.append((n, sequential))
         plain_twins = [n for n in others if n.startswith(f"{first}+")]
         return pairs + [(t, y) for t in plain_twins for y in result.yardsticks]
     twins = [n for n in others if n.startswith(f"{first}+")]
