@@ -16,7 +16,10 @@ from conformance.run import interrupt_redelivery
 @pytest.fixture
 def interrupt_in_next_gc() -> Iterator[None]:
     """The next collection runs a callback that raises KeyboardInterrupt, as a SIGINT handler
-    does when the signal arrives while Python code of a gc callback runs."""
+    does when the signal arrives while Python code of a gc callback runs. Automatic collection
+    is off meanwhile, so the next collection is the test's own ``gc.collect()``: one the
+    allocator triggered between this setup and the test body (now and then, on a loaded
+    machine) would fire the callback before the test installed its hook."""
     fired = []
 
     def callback(phase: str, info: dict[str, int]) -> None:
@@ -24,6 +27,8 @@ def interrupt_in_next_gc() -> Iterator[None]:
             fired.append(True)
             raise KeyboardInterrupt
 
+    was_enabled = gc.isenabled()
+    gc.disable()
     gc.callbacks.append(callback)
     before = sys.unraisablehook
     try:
@@ -31,6 +36,8 @@ def interrupt_in_next_gc() -> Iterator[None]:
     finally:
         gc.callbacks.remove(callback)
         sys.unraisablehook = before
+        if was_enabled:
+            gc.enable()
 
 
 def wait_for_interrupt(seconds: float) -> bool:
