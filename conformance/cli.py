@@ -22,6 +22,7 @@ from conformance.checks.golden_scenarios import SCENARIOS
 from conformance.report.durations import cmd_durations
 from conformance.report.merge import cmd_merge
 from conformance.repro.command import cmd_repro
+from conformance.run.cache_command import cmd_cache
 from conformance.run.certify import cmd_certify
 from conformance.run.device import DEVICE_HELP, device_arg
 from conformance.run.interrupt_redelivery import keep_interrupts
@@ -218,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     durations.add_argument("dirs", nargs="+", metavar="DIR", help="report directories")
     durations.add_argument("--out", required=True, help="the durations file to write")
     durations.set_defaults(func=cmd_durations)
+    cache = sub.add_parser("cache", formatter_class=fmt, help="the compiled keys the reference "
+                           "engine's 'aot' graph executor keeps between processes "
+                           "($SPECGATE_CACHE_DIR, else the user cache directory)")
+    cache.add_argument("action", choices=["info", "clear"],
+                       help="info: where they are, how many, how big; clear: delete them")
+    cache.set_defaults(func=cmd_cache)
     return parser
 
 

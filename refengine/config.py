@@ -14,7 +14,7 @@ from specwire.params import SPEC_ALGORITHMS, SamplingParams, SpecConfig, is_int,
 
 __all__ = ["GRAPH_EXECUTORS", "SPEC_ALGORITHMS", "EngineConfig", "SamplingParams", "SpecConfig"]
 
-GRAPH_EXECUTORS = ("compiled", "frozen", "replay", "cuda")  # EngineConfig.graph_executor's
+GRAPH_EXECUTORS = ("compiled", "frozen", "replay", "cuda", "aot")  # EngineConfig.graph_executor's
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,11 @@ class EngineConfig:
     # default on the CPU), "frozen" (the same with the weights folded into each key: faster
     # still on a CPU, but every process compiles each key again) or "replay" (the captured
     # callable run eagerly on the static buffers: staging and padding under test, no
-    # speed-up). None: the device's default.
+    # speed-up), "aot" (the frozen settings, compiled once per machine into AOTInductor
+    # packages that later processes load without compiling: refengine/graph/aot.py).
+    # None: the device's default.
     cuda_graph: bool = False
-    graph_executor: Literal["compiled", "frozen", "replay", "cuda"] | None = None
+    graph_executor: Literal["compiled", "frozen", "replay", "cuda", "aot"] | None = None
     seed: int = 0
     retract_every: int = 0  # test hook: retract the middle decoding request every N decode steps
     # Overlap scheduling (SpecConfig(overlap=True)): run each decode step's forwards on a worker
@@ -89,6 +91,6 @@ class EngineConfig:
         on_gpu = self.device.startswith("cuda")
         require(on_gpu or self.graph_executor != "cuda", "graph_executor",
                  f"'cuda' (CUDA graphs) needs device 'cuda[:N]', got {self.device!r}")
-        require(not on_gpu or self.graph_executor != "frozen", "graph_executor",
-                 "'frozen' folds the weights into CPU GEMM templates; on a GPU use 'cuda', "
-                 "'compiled' or 'replay'")
+        require(not on_gpu or self.graph_executor not in ("frozen", "aot"), "graph_executor",
+                 f"{self.graph_executor!r} folds the weights into CPU GEMM templates; on a GPU "
+                 "use 'cuda', 'compiled' or 'replay'")

@@ -47,7 +47,8 @@ def undocumented(options: dict[str, list[str]], docs: dict[str, str]) -> list[st
 
 def test_every_cli_option_is_in_docs_cli_md() -> None:
     options = subcommand_options(build_parser())
-    assert set(options) == {"certify", "golden", "expected", "mutants", "bench", "report", "repro"}
+    assert set(options) == {"certify", "golden", "expected", "mutants", "bench", "report", "repro",
+                            "cache"}
     docs = sections(DOC.read_text())
     assert set(options) <= set(docs), f"commands without a section: {set(options) - set(docs)}"
     assert undocumented(options, docs) == []

@@ -36,7 +36,7 @@ class CaseTimeout(BaseException):
 
 
 def default_seconds(profile: str, graph_executor: str | None) -> float:
-    factor = COMPILED_FACTOR if graph_executor in ("compiled", "frozen") else 1
+    factor = COMPILED_FACTOR if graph_executor in ("compiled", "frozen", "aot") else 1
     return DEFAULT_SECONDS[profile] * factor
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from refengine.device import from_host
+from refengine.graph.aot import AotExecutor
 from refengine.graph.cuda_graph import CudaGraphExecutor, CudaGraphs
 from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.graph.executors import (
@@ -145,11 +146,14 @@ class GraphRunner:
                                     self.runner.kv.rows.table,
                                     split="layers" if name == "compiled-layers" else "whole",
                                     freeze_weights=name == "frozen")
+        if name == "aot":  # persistent packages (refengine/graph/aot.py)
+            return AotExecutor(self.runner.target, self.runner.kv.target_pool,
+                               self.runner.kv.rows.table)
         if name == "cuda":  # real graphs on a CUDA device; ValueError elsewhere
             return CudaGraphExecutor(self.static_forward,
                                      CudaGraphs(self.runner.kv.rows.table.device))
-        raise ValueError(f"executor: 'replay', 'compiled', 'compiled-layers', 'frozen' or "
-                         f"'cuda', got {name!r}")
+        raise ValueError(f"executor: 'replay', 'compiled', 'compiled-layers', 'frozen', 'cuda' "
+                         f"or 'aot', got {name!r}")
 
     def static_forward(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
         """The captured callable: the model's own forward over the padded static views."""

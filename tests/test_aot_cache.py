@@ -1,0 +1,125 @@
+"""Persistent compiled keys (``refengine/graph/aot.py``): the artefact's name covers everything
+that changes it, a build lands whole or not at all, a file that does not load is rebuilt, never
+used, and ``specgate cache info|clear`` shows and empties the cache. The slow test compiles a
+real key and loads it in a second executor without compiling."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import fields, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from conformance.cli import main
+from refengine.graph import aot
+from refengine.graph.aot import ArtefactKey, PackageCache, cache_dir
+
+KEY = ArtefactKey("w" * 64, "decode", 1, 256, "{}", "torch.float32", "2.13.0", "AVX2", 2,
+                  "c" * 64)
+
+
+@pytest.fixture
+def fake_packages(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``aoti_load_package`` that loads a file holding b"package" and fails on anything else,
+    as the real one fails on a truncated or corrupt package; -> the paths it loaded."""
+    loaded: list[str] = []
+
+    def load(path: str) -> str:
+        if Path(path).read_bytes() != b"package":
+            raise RuntimeError(f"not a package: {path}")
+        loaded.append(path)
+        return path
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", load)
+    return loaded
+
+
+def write_package(path: Path) -> None:
+    path.write_bytes(b"package")
+
+
+def test_the_file_name_covers_every_field() -> None:
+    names = {KEY.file_name()}
+    for f in fields(ArtefactKey):
+        value = getattr(KEY, f.name)
+        changed = value + 1 if isinstance(value, int) else value + "x"
+        names.add(replace(KEY, **{f.name: changed}).file_name())
+    assert len(names) == 1 + len(fields(ArtefactKey))
+    assert KEY.file_name().startswith("decode-b1-kv256-")
+
+
+def test_built_once_then_loaded(tmp_path: Path, fake_packages: list[str]) -> None:
+    cache = PackageCache(tmp_path)
+    cache.load_or_build(KEY, write_package)
+    again = PackageCache(tmp_path)  # a later process
+    again.load_or_build(KEY, lambda p: pytest.fail("a cached key was built again"))
+    assert (cache.builds, again.builds) == (1, 0) and len(fake_packages) == 2
+    assert [p.name for p in cache.entries()] == [KEY.file_name()]
+
+
+def test_a_failed_build_leaves_nothing(tmp_path: Path, fake_packages: list[str]) -> None:
+    def half_then_fail(path: Path) -> None:
+        path.write_bytes(b"pack")
+        raise RuntimeError("compiler died")
+
+    cache = PackageCache(tmp_path)
+    with pytest.raises(RuntimeError, match="compiler died"):
+        cache.load_or_build(KEY, half_then_fail)
+    assert list(cache.root.iterdir()) == []
+
+
+def test_a_corrupt_package_is_rebuilt_never_used(tmp_path: Path,
+                                                 fake_packages: list[str]) -> None:
+    cache = PackageCache(tmp_path)
+    cache.root.mkdir(parents=True)
+    (cache.root / KEY.file_name()).write_bytes(b"trunc")
+    cache.load_or_build(KEY, write_package)
+    assert cache.builds == 1 and (cache.root / KEY.file_name()).read_bytes() == b"package"
+
+
+def test_clear_and_the_cache_location(tmp_path: Path, fake_packages: list[str],
+                                      monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(aot.CACHE_ENV, str(tmp_path))
+    assert cache_dir() == tmp_path
+    PackageCache().load_or_build(KEY, write_package)
+    (PackageCache().root / ".tmp-1-left-by-a-killed-build.pt2").write_bytes(b"")
+    assert main(["cache", "info"]) == 0
+    assert f"{tmp_path / 'aot'}" in capsys.readouterr().out
+    assert main(["cache", "clear"]) == 0
+    assert "removed 1 package(s)" in capsys.readouterr().out
+    assert list(PackageCache().root.iterdir()) == []
+    monkeypatch.delenv(aot.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "specgate"
+
+
+@pytest.mark.slow
+def test_a_compiled_key_loads_in_a_later_executor_without_compiling(tmp_path: Path) -> None:
+    """A real key: the package's forward is the eager forward's (logits and the KV it writes),
+    and a second executor (a later process) loads it from the cache."""
+    from refengine import Engine, EngineConfig
+    from refengine.graph.aot import AotExecutor
+    from refengine.graph.executors import GraphKey
+
+    engine = Engine(EngineConfig(cuda_graph=True, graph_executor="replay",
+                                 max_running_requests=1))
+    runner = engine.runner
+    kv, table = runner.kv.target_pool, runner.kv.rows.table
+    key = GraphKey("decode", 1, 256)
+    views = runner.staging["decode"].stage(None, 1)
+    with torch.inference_mode():
+        want = runner.static_forward(key, views)
+    written = kv.k[:, 0].clone()  # the padding row's K, in the dummy slot
+    kv.k[:, 0] = 0.0
+    first = AotExecutor(runner.target, kv, table, PackageCache(tmp_path))
+    got = first.run(key, views)
+    assert first.cache.builds == 1
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kv.k[:, 0], written, atol=1e-4, rtol=1e-4)
+    later = AotExecutor(runner.target, kv, table, PackageCache(tmp_path))
+    start = time.perf_counter()
+    torch.testing.assert_close(later.run(key, views).logits, got.logits)
+    assert later.cache.builds == 0 and time.perf_counter() - start < 2.0
