@@ -16,6 +16,7 @@ empties it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from refengine.graph.compile import FROZEN_WEIGHTS
-from refengine.graph.executors import GraphKey, _whole_forward
+from refengine.graph.executors import GraphKey, whole_forward
 from refengine.graph.staging import StagedViews
 from refengine.memory.kv_pool import KVPool
 from refengine.model.llama import ForwardOutput, LlamaForCausalLM
@@ -57,6 +58,7 @@ def weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+@functools.cache
 def code_digest() -> str:
     h = hashlib.sha256()
     for rel in _FORWARD_SOURCES:
@@ -140,7 +142,7 @@ class _KeyForward(torch.nn.Module):
                 positions: torch.Tensor, out_slots: torch.Tensor, rows: torch.Tensor,
                 seq_lens: torch.Tensor, tree_mask: torch.Tensor, table: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _whole_forward(self.model, k_pool, v_pool, input_ids, positions, out_slots,
+        return whole_forward(self.model, k_pool, v_pool, input_ids, positions, out_slots,
                               rows, seq_lens, tree_mask, table, self.max_kv)
 
 

@@ -78,7 +78,7 @@ class ReplayExecutor:
 # (the raw size).
 
 
-def _whole_forward(model: LlamaForCausalLM, k_pool: torch.Tensor, v_pool: torch.Tensor,
+def whole_forward(model: LlamaForCausalLM, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
                    rows: torch.Tensor, seq_lens: torch.Tensor, tree_mask: torch.Tensor,
                    table: torch.Tensor, max_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +160,7 @@ class CompiledExecutor:
 
     def run(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
         if self.split == "whole" and key not in self._whole:
-            self._whole[key] = self._compile(_whole_forward)
+            self._whole[key] = self._compile(whole_forward)
         elif self.split == "layers" and key not in self._regions:
             self._regions[key] = _Regions(self._compile(_head_region),
                                           self._compile(_middle_region),

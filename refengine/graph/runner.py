@@ -129,7 +129,8 @@ class GraphRunner:
                              if self.executor.name in ("replay", "frozen", "cuda")
                              else "compiled")
             # CUDA graphs: the loops record into the target's pool (one pool per runner).
-            recorder = getattr(self.executor, "graphs", None)
+            recorder = (self.executor.graphs if isinstance(self.executor, CudaGraphExecutor)
+                        else None)
             self.draft_loop = self.draft_loop_class(
                 draft, pool, table, *draft_steps, self.sizes, self.kv_sizes, loop_executor,
                 recorder=recorder)
@@ -237,11 +238,11 @@ class GraphRunner:
         """Capture the CUDA-graph keys a launch thread needed first (it ran them eagerly: a
         capture there would race the resolving thread's CUDA work), each on a batch of padding.
         The engine calls it on its own thread before a launch, while nothing else runs."""
-        graphs = getattr(self.executor, "graphs", None)
-        if graphs is None or not graphs.may_capture():
+        executor = self.executor
+        if not isinstance(executor, CudaGraphExecutor) or not executor.graphs.may_capture():
             return
-        for key in sorted(self.executor.pending):  # type: ignore[attr-defined]
-            self.executor.prepare(key, self.staging[key.kind].stage(None, key.bucket))
+        for key in sorted(executor.pending):
+            executor.prepare(key, self.staging[key.kind].stage(None, key.bucket))
         for loop in (self.draft_loop, self.draft_extend):
             if loop is not None:
                 loop.capture_pending()
