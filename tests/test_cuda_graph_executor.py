@@ -56,7 +56,8 @@ def captured_keys(engine: Engine) -> int:
     loops = [g for g in (engine.runner.draft_loop, engine.runner.draft_extend) if g is not None]
     for loop in loops:
         assert loop.executor == "cuda"
-    return len(executor.keys) + sum(len(loop._captured) for loop in loops)
+    return len(executor.keyed.captured) + sum(len(loop.graphs.captured) for loop in loops
+                                              if loop.graphs is not None)
 
 
 @pytest.mark.parametrize(("config", "overlap"), [
@@ -149,9 +150,11 @@ def test_launch_thread_leaves_new_keys_to_the_engines_thread(spec_pair: tuple[Pa
     capture_pending = runner.capture_pending
 
     def counting() -> None:
-        queued.append(len(runner.executor.pending) + sum(len(g.pending) for g in loops))
+        pending = [runner.executor.keyed.pending, *(g.graphs.pending for g in loops
+                                                    if g.graphs is not None)]
+        queued.append(sum(len(p) for p in pending))
         capture_pending()
-        assert not runner.executor.pending and not any(g.pending for g in loops)
+        assert not any(pending)
 
     runner.capture_pending = counting  # type: ignore[method-assign]
     eager = spec_engine(spec_pair, "chain-s3-n4", True, max_running_requests=8,

@@ -153,6 +153,34 @@ def clone_outputs(out: Any) -> Any:
     return type(out)(**{name: clone_outputs(v) for name, v in vars(out).items()})
 
 
+class KeyedGraphs:
+    """One recorder's graphs by key, and the rule both the target's executor and the draft
+    loops follow: a key is captured on its first use where the recorder may capture, else
+    run eagerly that once and queued (``pending``) for ``capture`` on the engine's thread."""
+
+    def __init__(self, recorder: GraphRecorder) -> None:
+        self.recorder = recorder
+        # keys: a ``GraphKey``, or a draft loop's (bucket, key width)
+        self.captured: dict[Any, Captured] = {}
+        self.pending: set[Any] = set()
+
+    def capture(self, key: Any, fn: Callable[[], Any]) -> None:
+        if key not in self.captured:
+            with torch.inference_mode():
+                self.captured[key] = self.recorder.capture(fn)
+        self.pending.discard(key)
+
+    def run(self, key: Any, fn: Callable[[], Any]) -> Any:
+        """The key's replay (its static outputs), or ``fn()`` itself when it was queued."""
+        if key not in self.captured:
+            if not self.recorder.may_capture():
+                self.pending.add(key)
+                with torch.inference_mode():
+                    return fn()  # eagerly, this once
+            self.capture(key, fn)
+        return self.captured[key].replay()
+
+
 class CudaGraphExecutor:
     """The target's decode and verify keys as CUDA graphs: ``prepare`` captures a key on the
     staged views it is given (a batch of padding when capturing ahead, which writes only the
@@ -164,23 +192,10 @@ class CudaGraphExecutor:
 
     def __init__(self, forward: StaticForward, graphs: GraphRecorder) -> None:
         self.forward, self.graphs = forward, graphs
-        self._captured: dict[GraphKey, Captured] = {}
-        self.pending: set[GraphKey] = set()  # first needed off the recorder's thread
+        self.keyed = KeyedGraphs(graphs)
 
     def prepare(self, key: GraphKey, views: StagedViews) -> None:
-        if key not in self._captured:
-            with torch.inference_mode():
-                self._captured[key] = self.graphs.capture(lambda: self.forward(key, views))
-        self.pending.discard(key)
+        self.keyed.capture(key, lambda: self.forward(key, views))
 
     def run(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
-        if key not in self._captured:
-            if not self.graphs.may_capture():
-                self.pending.add(key)
-                return self.forward(key, views)  # eagerly, this once
-            self.prepare(key, views)
-        return self._captured[key].replay()
-
-    @property
-    def keys(self) -> list[GraphKey]:
-        return list(self._captured)
+        return self.keyed.run(key, lambda: self.forward(key, views))

@@ -37,7 +37,7 @@ import torch
 
 from refengine.device import from_host
 from refengine.graph.compile import InPlaceKV, WarmKeys, own_code
-from refengine.graph.cuda_graph import Captured, CudaGraphs, GraphRecorder, clone_outputs
+from refengine.graph.cuda_graph import CudaGraphs, GraphRecorder, KeyedGraphs, clone_outputs
 from refengine.graph.staging import DUMMY_ROW, DUMMY_SLOT, pad_to_bucket
 from refengine.memory.kv_pool import KVPool
 from refengine.model.attention import AttentionMetadata
@@ -268,9 +268,8 @@ class DraftLoopGraph:
         dtype = draft.fc.weight.dtype if eagle else draft.pre_projection.weight.dtype
         self.staging = self.staging_class(self.kind, self.sizes[-1], dims, dtype, table.device)
         self._compiled: dict[tuple[int, int], Callable[..., Any]] = {}
-        self._recorder = (recorder or CudaGraphs(table.device)) if executor == "cuda" else None
-        self._captured: dict[tuple[int, int], Captured] = {}
-        self.pending: set[tuple[int, int]] = set()  # "cuda" keys first needed off its thread
+        self.graphs = (KeyedGraphs(recorder or CudaGraphs(table.device))
+                       if executor == "cuda" else None)
         self._warm = WarmKeys(self.executor == "frozen")
 
     def key(self, raw: int, longest: int) -> tuple[int, int] | None:
@@ -327,9 +326,9 @@ class DraftLoopGraph:
     def capture_pending(self) -> None:
         """Capture the "cuda" keys first needed off the recorder's thread, each on a batch of
         padding (which writes only the dummy page)."""
-        if self._recorder is None or not self._recorder.may_capture():
+        if self.graphs is None or not self.graphs.recorder.may_capture():
             return
-        for key in sorted(self.pending):
+        for key in sorted(self.graphs.pending):
             self.execute(key, self.staging.stage(None, key[0]))
 
     def execute(self, key: tuple[int, int], views: dict[str, torch.Tensor]) -> GraphOutput:
@@ -337,15 +336,8 @@ class DraftLoopGraph:
         with torch.inference_mode():
             if self.executor == "replay":
                 return self._loop(*args, **views)
-            if self._recorder is not None:  # "cuda": replay the key's graph, copy out
-                if key not in self._captured:
-                    if not self._recorder.may_capture():
-                        self.pending.add(key)
-                        return self._loop(*args, **views)  # eagerly, this once
-                    self._captured[key] = self._recorder.capture(
-                        lambda: self._loop(*args, **views))
-                    self.pending.discard(key)
-                return clone_outputs(self._captured[key].replay())
+            if self.graphs is not None:  # "cuda": replay the key's graph, copy its outputs out
+                return clone_outputs(self.graphs.run(key, lambda: self._loop(*args, **views)))
             if key not in self._compiled:
                 self._compiled[key] = torch.compile(own_code(self._loop), fullgraph=True,
                                                     dynamic=False)

@@ -241,7 +241,7 @@ class GraphRunner:
         executor = self.executor
         if not isinstance(executor, CudaGraphExecutor) or not executor.graphs.may_capture():
             return
-        for key in sorted(executor.pending):
+        for key in sorted(executor.keyed.pending):
             executor.prepare(key, self.staging[key.kind].stage(None, key.bucket))
         for loop in (self.draft_loop, self.draft_extend):
             if loop is not None:
