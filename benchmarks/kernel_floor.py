@@ -2,7 +2,7 @@
 CTranslate2's whole run, on the bench's batch-1 workload, per thread count.
 
     python benchmarks/kernel_floor.py [--threads 1,2] [--rounds 3] [--spec mtp|eagle]
-                                      [--executor frozen|compiled]
+                                      [--executor aot|frozen|compiled]
 
 Workload: ``specgate bench``'s at batch 1 (the first 8 default prompts one at a time, 64
 greedy tokens each, ``ignore_eos``). Every measurement runs in a process of its own, with its
@@ -11,7 +11,9 @@ other's threads (CTranslate2 at 2 threads beside torch's 2 ran at about 200 tok/
 about 2,000 alone), so ``specgate bench`` can only hold CTranslate2 to one thread. The two
 engines take turns (CTranslate2, refengine, CTranslate2) and each keeps its fastest round.
 
-refengine runs its chain S3/N4 lane (MTP by default) through the graph runner. One more run,
+refengine runs its chain S3/N4 lane (MTP by default) through the graph runner (the "aot"
+executor by default: a process loads the packages an earlier one built). The outputs of the
+two engines are compared prompt by prompt (greedy, so they should be the same tokens). One more run,
 under ``cProfile``, splits its time: *kernels* are the calls into compiled code (inductor's
 entry points), the KV-write op those call back, and the eager prefill's linear and attention
 calls; everything else (staging, scheduling, acceptance, the Python around each call, the
@@ -42,17 +44,18 @@ from conformance.run.specs import SPECS
 PROMPTS, NEW_TOKENS = 8, 64
 # Name fragments of the calls counted as kernels (pstats keys: file, line, function).
 KERNELS = {"compiled entry points": "inductor_entry_cpp",
+           "packages (aot)": "AOTIModelPackageLoader",
            "KV writes (called by them)": "_write_kv",
            "eager linear": "torch._C._nn.linear",
            "eager attention": "scaled_dot_product_attention"}
 
 
-def run_workload(handle: object, tag: str) -> float:
-    """The workload once on an opened handle; wall seconds."""
+def run_workload(handle: object, tag: str) -> tuple[float, list[list[int]]]:
+    """The workload once on an opened handle -> (wall seconds, each prompt's output)."""
     start = time.perf_counter()
-    for i, prompt in enumerate(load_prompts("tiny-code", PROMPTS)):
-        _run_batch(handle, [prompt], NEW_TOKENS, f"{tag}-{i}")  # type: ignore[arg-type]
-    return time.perf_counter() - start
+    outputs = [_run_batch(handle, [prompt], NEW_TOKENS, f"{tag}-{i}").outputs[0]  # type: ignore[arg-type]
+               for i, prompt in enumerate(load_prompts("tiny-code", PROMPTS))]
+    return time.perf_counter() - start, outputs
 
 
 def lane_spec(spec: str) -> SpecConfig:
@@ -67,9 +70,12 @@ def child(engine: str, rounds: int, spec: str, executor: str) -> dict[str, objec
     cfg = (OpenConfig(model="tiny-code") if engine == "ctranslate2" else
            OpenConfig(model="tiny-code", spec=lane_spec(spec), graph_executor=executor))
     handle = load_backend(engine).open(cfg)
-    run_workload(handle, "warm-up")  # a graph lane compiles its keys here
-    walls = [run_workload(handle, f"round-{r}") for r in range(rounds)]
-    result: dict[str, object] = {"wall": min(walls), "walls": walls}
+    opened = time.perf_counter()
+    _, outputs = run_workload(handle, "warm-up")  # a graph lane loads or builds its keys here
+    warm_up = time.perf_counter() - opened
+    walls = [run_workload(handle, f"round-{r}")[0] for r in range(rounds)]
+    result: dict[str, object] = {"wall": min(walls), "walls": walls, "outputs": outputs,
+                                 "warm_up": warm_up}
     if engine == "refengine":
         profile = cProfile.Profile()
         profile.enable()
@@ -96,7 +102,7 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--spec", choices=("mtp", "eagle"), default="mtp")
-    parser.add_argument("--executor", choices=("frozen", "compiled"), default="frozen")
+    parser.add_argument("--executor", choices=("aot", "frozen", "compiled"), default="aot")
     parser.add_argument("--child", choices=("ctranslate2", "refengine"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -121,6 +127,9 @@ def main() -> None:
         print(f"  its kernels alone      {floor:.3f} s  {tokens / floor:8,.1f} tok/s  "
               f"({floor / ct2:.2f}x CTranslate2's time): "
               + ", ".join(f"{k} {v:.3f}" for k, v in kernels.items()))
+        same = sum(a == b for a, b in zip(ref["outputs"], first["outputs"], strict=True))  # type: ignore[call-overload]
+        print(f"  refengine's first pass (keys loaded or built) {ref['warm_up']:.1f} s; "
+              f"outputs identical to CTranslate2's on {same} of {PROMPTS} prompts")
 
 
 if __name__ == "__main__":

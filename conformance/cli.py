@@ -32,6 +32,8 @@ from conformance.run.usage import INTERRUPTED, USAGE_ERROR, Interrupted, UsageEr
 from conformance.version import specgate_version
 from refengine.config import GRAPH_EXECUTORS
 
+GRAPH_CHOICES = (*GRAPH_EXECUTORS, "auto", "none")  # --graphs: auto, none: run/device.py
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line instead of usage + message
@@ -98,10 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     certify.add_argument("--model", default="tiny-code", help="fixture name or model directory")
     certify.add_argument("--draft-model", default=None,
                          help="override the spec configurations' draft model")
-    certify.add_argument("--graphs", default=None, choices=GRAPH_EXECUTORS,
+    certify.add_argument("--graphs", nargs="?", const="auto", default=None,
+                         choices=GRAPH_CHOICES, metavar="EXECUTOR",
                          help="run the backend's forwards through its graph runner with this "
-                              "executor (the backend must claim graph_runner; cuda: CUDA "
-                              "graphs, with --device cuda); default: eager")
+                              "executor (the backend must claim graph_runner): "
+                              f"{', '.join(GRAPH_CHOICES)}; auto, or the flag alone: the "
+                              "device's fastest (aot on the CPU, cuda graphs on a GPU); "
+                              "default: eager")
     certify.add_argument("--device", default="cpu", type=device_arg, help=DEVICE_HELP)
     certify.add_argument("--case-timeout", type=_seconds, default=None, metavar="SECONDS",
                          help="each phase of a check (set-up, run, teardown) that takes longer "
@@ -182,10 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also write the figures to this file (its directory is created)")
     bench.add_argument("--draft-model", default=None,
                        help="override the spec configurations' draft model")
-    bench.add_argument("--graphs", default=None, choices=GRAPH_EXECUTORS,
+    bench.add_argument("--graphs", nargs="?", const="auto", default="auto",
+                       choices=GRAPH_CHOICES, metavar="EXECUTOR",
                        help="also run each lane of a backend claiming graph_runner through its "
-                            "graph runner with this executor, in a lane of its own (cuda: CUDA "
-                            "graphs, with --device cuda)")
+                            "graph runner with this executor, in a lane of its own: "
+                            f"{', '.join(GRAPH_CHOICES)}; auto: the device's fastest (aot on "
+                            "the CPU, whose first run on a machine compiles each key for "
+                            "minutes in all; cuda graphs on a GPU); none: no graph lanes")
     bench.add_argument("--device", default="cpu", type=device_arg,
                        help="where every backend runs: cpu, cuda or cuda:N; on CUDA the table "
                             "adds device time per step, capture cost and GPU memory")

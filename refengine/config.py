@@ -33,14 +33,14 @@ class EngineConfig:
     # Target decode and verify forwards (and the draft loops) through the graph runner
     # (refengine/graph/): staged on static bucket-padded buffers and run by
     # ``graph_executor``: "cuda" (each key captured as a CUDA graph and replayed; the default
-    # on a CUDA device), "compiled" (torch.compile per key, what makes a CPU engine faster;
-    # first use of a key compiles it, once per machine thanks to inductor's cache; the
-    # default on the CPU), "frozen" (the same with the weights folded into each key: faster
-    # still on a CPU, but every process compiles each key again) or "replay" (the captured
-    # callable run eagerly on the static buffers: staging and padding under test, no
-    # speed-up), "aot" (the frozen settings, compiled once per machine into AOTInductor
-    # packages that later processes load without compiling: refengine/graph/aot.py).
-    # None: the device's default.
+    # on a CUDA device), "aot" (the frozen settings, compiled once per machine into
+    # AOTInductor packages that later processes load without compiling, called without
+    # Dynamo: the fastest on a CPU and the default there; refengine/graph/aot.py),
+    # "compiled" (torch.compile per key; first use of a key compiles it, once per machine
+    # thanks to inductor's cache, then Dynamo traces it again in every process), "frozen"
+    # (the weights folded into each key, as "aot", but every process compiles each key again)
+    # or "replay" (the captured callable run eagerly on the static buffers: staging and
+    # padding under test, no speed-up). None: the device's default.
     cuda_graph: bool = False
     graph_executor: Literal["compiled", "frozen", "replay", "cuda", "aot"] | None = None
     seed: int = 0
@@ -85,7 +85,7 @@ class EngineConfig:
                  f"must be a bool, got {self.cuda_graph!r}")
         if self.graph_executor is None:  # frozen dataclass: resolve the default once, here
             object.__setattr__(self, "graph_executor",
-                               "cuda" if self.device.startswith("cuda") else "compiled")
+                               "cuda" if self.device.startswith("cuda") else "aot")
         require(self.graph_executor in GRAPH_EXECUTORS, "graph_executor",
                  f"must be one of {', '.join(GRAPH_EXECUTORS)}, got {self.graph_executor!r}")
         on_gpu = self.device.startswith("cuda")

@@ -5,6 +5,8 @@ real key and loads it in a second executor without compiling."""
 
 from __future__ import annotations
 
+import io
+import re
 import time
 from dataclasses import fields, replace
 from pathlib import Path
@@ -14,9 +16,18 @@ import torch
 
 from conformance.cli import main
 from refengine.graph import aot
-from refengine.graph.aot import ArtefactKey, PackageCache, cache_dir
+from refengine.graph.aot import (
+    ArtefactKey,
+    PackageCache,
+    cache_dir,
+    open_limits,
+    register_tables,
+    signature,
+    weights_digest,
+)
+from refengine.model.llama import Rotary
 
-KEY = ArtefactKey("w" * 64, "decode", 1, 256, "{}", "torch.float32", "2.13.0", "AVX2", 2,
+KEY = ArtefactKey("decode-b1-kv256", "w" * 64, "torch.int64[1]@cpu", "{}", "2.13.0", "AVX2", 2,
                   "c" * 64)
 
 
@@ -55,8 +66,37 @@ def test_built_once_then_loaded(tmp_path: Path, fake_packages: list[str]) -> Non
     cache.load_or_build(KEY, write_package)
     again = PackageCache(tmp_path)  # a later process
     again.load_or_build(KEY, lambda p: pytest.fail("a cached key was built again"))
-    assert (cache.builds, again.builds) == (1, 0) and len(fake_packages) == 2
+    assert (len(cache.builds), len(again.builds)) == (1, 0) and len(fake_packages) == 2
     assert [p.name for p in cache.entries()] == [KEY.file_name()]
+
+
+def test_each_build_says_which_key_and_how_long(tmp_path: Path,
+                                                fake_packages: list[str]) -> None:
+    said = io.StringIO()
+    cache = PackageCache(tmp_path, progress=said)
+    cache.load_or_build(KEY, write_package)
+    PackageCache(tmp_path, progress=said).load_or_build(KEY, write_package)  # loads: silent
+    lines = said.getvalue().splitlines()
+    assert len(lines) == 2 and "compiling decode-b1-kv256" in lines[0]
+    assert re.search(r"compiled decode-b1-kv256 in \d+\.\d s \(1 this run", lines[1]), lines
+    assert [b.label for b in cache.builds] == ["decode-b1-kv256"]
+
+
+def test_what_a_package_runs_on_is_part_of_its_key() -> None:
+    """The inputs' shapes (a verify width, a dtype) and the rotary tables (plain tensors beside
+    the weights, set by the model's config) each change the artefact's name; the pool's and
+    the row table's sizes, which follow an engine's limits, do not."""
+    assert signature([torch.zeros(2, 4)]) != signature([torch.zeros(2, 8)])
+    assert signature([torch.zeros(2)]) != signature([torch.zeros(2, dtype=torch.int64)])
+    pool, table = open_limits()  # what an engine's limits set is left free
+    assert signature([torch.zeros(2, 4), torch.zeros(3, 300)], [pool, table]) \
+        == signature([torch.zeros(2, 8), torch.zeros(5, 300)], [pool, table])
+    digests = set()
+    for theta in (10_000.0, 500_000.0):
+        holder = torch.nn.Module()
+        register_tables(holder, Rotary(8, 16, theta))
+        digests.add(weights_digest(holder))
+    assert len(digests) == 2
 
 
 def test_a_failed_build_leaves_nothing(tmp_path: Path, fake_packages: list[str]) -> None:
@@ -76,7 +116,7 @@ def test_a_corrupt_package_is_rebuilt_never_used(tmp_path: Path,
     cache.root.mkdir(parents=True)
     (cache.root / KEY.file_name()).write_bytes(b"trunc")
     cache.load_or_build(KEY, write_package)
-    assert cache.builds == 1 and (cache.root / KEY.file_name()).read_bytes() == b"package"
+    assert len(cache.builds) == 1 and (cache.root / KEY.file_name()).read_bytes() == b"package"
 
 
 def test_clear_and_the_cache_location(tmp_path: Path, fake_packages: list[str],
@@ -116,10 +156,10 @@ def test_a_compiled_key_loads_in_a_later_executor_without_compiling(tmp_path: Pa
     kv.k[:, 0] = 0.0
     first = AotExecutor(runner.target, kv, table, PackageCache(tmp_path))
     got = first.run(key, views)
-    assert first.cache.builds == 1
+    assert len(first.packages.cache.builds) == 1
     torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(kv.k[:, 0], written, atol=1e-4, rtol=1e-4)
     later = AotExecutor(runner.target, kv, table, PackageCache(tmp_path))
     start = time.perf_counter()
     torch.testing.assert_close(later.run(key, views).logits, got.logits)
-    assert later.cache.builds == 0 and time.perf_counter() - start < 2.0
+    assert not later.packages.cache.builds and time.perf_counter() - start < 2.0

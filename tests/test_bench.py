@@ -110,7 +110,8 @@ def test_repeats_keep_each_groups_fastest_run(random_model_dir: Path,
     def scripted(handle: object, prompts: list[tuple[int, ...]], max_new_tokens: int,
                  tag: str, meter: object = None) -> measure.BatchRun:
         tags.append(tag)
-        return measure.BatchRun(max_new_tokens * len(prompts), seconds.get(tag, 0.01), [[]], 1)
+        return measure.BatchRun(max_new_tokens * len(prompts), seconds.get(tag, 0.01), [[]], 1,
+                                [[]])
 
     monkeypatch.setattr(measure, "_run_batch", scripted)
     result = run_bench(["refengine"], [1], 2, "none", Recorder(),
@@ -125,7 +126,7 @@ def test_repeats_that_disagree_are_refused(random_model_dir: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     counts = iter([2, 2, 3])  # warm-up, then two repeats of one group emitting different counts
     monkeypatch.setattr(measure, "_run_batch",
-                        lambda *_: measure.BatchRun(next(counts), 1.0, [[]], 1))
+                        lambda *_: measure.BatchRun(next(counts), 1.0, [[]], 1, [[]]))
     with pytest.raises(RuntimeError, match="repeats of one group emitted different"):
         run_bench(["refengine"], [1], 2, "none", Recorder(), model=str(random_model_dir),
                   repeats=2)
@@ -244,7 +245,8 @@ def test_with_a_spec_graph_twins_are_set_beside_their_eager_lanes_and_yardsticks
 
 def test_step_split_and_the_device_lines() -> None:
     """ms per step from the phase clock; on a CUDA device also the kernels' time, the host
-    share, capture cost and peak memory; a CPU result prints none of it."""
+    share, capture cost and peak memory; a CPU result prints only a graph lane's first-use
+    cost."""
     t = BackendTiming(100.0, 40, 0.4, phase_seconds={"schedule": 0.04, "decode": 0.2,
                                                      "prefill": 0.06},
                       steps=40, device_seconds=0.1, held_gpu_bytes=2**20,
@@ -267,6 +269,9 @@ def test_step_split_and_the_device_lines() -> None:
     cpu = BenchResult("none", "m", 4, 1, ["refengine"], {})
     cpu.rows.append(BenchRow(1, {"refengine": t}))
     assert "host share" not in format_table(cpu)
+    assert format_table(cpu).splitlines()[-1] == (
+        "first use of each graph lane's shapes (compile, build or load), beyond its timed "
+        "run: batch 1 refengine 1.50 s")
 
 
 def test_the_device_meter_does_nothing_on_the_cpu() -> None:

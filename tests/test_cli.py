@@ -188,7 +188,7 @@ def test_bench_json_into_a_missing_directory_is_created(capsys: pytest.CaptureFi
     target = tmp_path / "new" / "dir" / "bench.json"
     code, out, _ = run(capsys, "bench", "--model", str(random_model_dir), "--backends",
                        "refengine", "--batch-sizes", "1", "--max-new-tokens", "2",
-                       "--min-requests", "1", "--json", str(target))
+                       "--min-requests", "1", "--graphs", "none", "--json", str(target))
     assert code == 0, out
     assert json.loads(target.read_text())["rows"][0]["batch_size"] == 1
 
@@ -223,7 +223,27 @@ def test_graph_executor_choices_are_the_engines() -> None:
                        if isinstance(a, argparse._SubParsersAction))
     for command in ("certify", "bench"):
         graphs = next(a for a in subcommands.choices[command]._actions if a.dest == "graphs")
-        assert tuple(graphs.choices) == GRAPH_EXECUTORS, command
+        assert tuple(graphs.choices) == (*GRAPH_EXECUTORS, "auto", "none"), command
+        assert graphs.const == "auto", command
+
+
+@pytest.mark.parametrize(("asked", "device", "executor"), [
+    ("auto", "cpu", "aot"), ("auto", "cuda", "cuda"), ("none", "cpu", None),
+    (None, "cpu", None), ("replay", "cpu", "replay")])
+def test_graphs_auto_is_the_devices_fastest_executor(asked: str | None, device: str,
+                                                     executor: str | None) -> None:
+    from conformance.run.device import best_graphs
+
+    assert best_graphs(asked, device) == executor
+
+
+def test_bench_runs_graph_lanes_by_default_and_none_turns_them_off() -> None:
+    from conformance import cli
+
+    parse = cli.build_parser().parse_args
+    assert parse(["bench"]).graphs == "auto"
+    assert parse(["bench", "--graphs", "none"]).graphs == "none"
+    assert parse(["certify"]).graphs is None and parse(["certify", "--graphs"]).graphs == "auto"
 
 
 @pytest.mark.parametrize("command", ["certify", "bench"])

@@ -127,7 +127,7 @@ def test_cuda_graphs_need_a_cuda_device() -> None:
 
 
 def test_default_graph_executor_follows_the_device() -> None:
-    assert EngineConfig().graph_executor == "compiled"
+    assert EngineConfig().graph_executor == "aot"
     assert EngineConfig(device="cuda").graph_executor == "cuda"
     assert EngineConfig(device="cuda:1", graph_executor="replay").graph_executor == "replay"
     with pytest.raises(ValueError, match=r"^graph_executor: 'frozen' folds"):

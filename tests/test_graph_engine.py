@@ -15,6 +15,7 @@ from conformance.backends.refengine.graph_probe import RefGraphProbe
 from conformance.checks import graph as checks
 from refengine import Engine, SamplingParams
 from refengine.graph import GraphRunner
+from refengine.graph.aot import CACHE_ENV
 from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.graph.executors import GraphKey, ReplayExecutor
 
@@ -51,6 +52,20 @@ def count_executes(graph: DraftLoopGraph, keys: Counter[GraphKey]) -> None:
         return execute(key, views)
 
     graph.execute = counted  # type: ignore[method-assign,assignment]
+
+
+def count_keys(runner: GraphRunner) -> Counter[GraphKey]:
+    """Count every key ``runner`` runs from now on: its executor's and its draft graphs'."""
+    keys: Counter[GraphKey] = Counter()
+    count_draft_graphs(runner, keys)
+    run = runner.executor.run
+
+    def counted_run(key: GraphKey, views: object) -> object:
+        keys[key] += 1
+        return run(key, views)  # type: ignore[arg-type]
+
+    runner.executor.run = counted_run  # type: ignore[method-assign,assignment]
+    return keys
 
 
 def counted(engine: Engine) -> tuple[Engine, CountingReplay]:
@@ -170,33 +185,39 @@ def test_mtp_graph_loop_runs_a_subclassed_assistant(spec_pair: tuple[Path, Path]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["eagle", "frozen_kv_mtp"])
-def test_frozen_executor_engine_equals_eager(spec_pair: tuple[Path, Path], mtp_dir: Path,
-                                             algorithm: str) -> None:
-    """The "frozen" executor (weights folded into each key, inductor's C++ GEMM templates)
-    through a whole chain engine: the same tokens and acceptance as eager, its verify and
-    draft-loop keys used. Every key compiles in this process (the FX-graph cache cannot hold
-    packed weights), hence batch 1 and short outputs."""
+@pytest.mark.parametrize(("executor", "algorithm", "config"), [
+    ("frozen", "eagle", "chain-s3-n4"), ("frozen", "frozen_kv_mtp", "chain-s3-n4"),
+    ("aot", "eagle", "chain-s3-n4"), ("aot", "frozen_kv_mtp", "chain-s3-n4"),
+    ("aot", "eagle", "tree-s3-k4-n8")])
+def test_frozen_executors_engine_equals_eager(spec_pair: tuple[Path, Path], mtp_dir: Path,
+                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              executor: str, algorithm: str,
+                                              config: str) -> None:
+    """The executors that fold the weights into each key (inductor's C++ GEMM templates)
+    through a whole engine: the same tokens and acceptance as eager, its verify and draft-loop
+    keys used. "frozen" compiles every key in this process; "aot" builds each into a package
+    once, and a second engine (a later process, with a bigger pool) loads every one of them,
+    the draft loops' included, without building. Hence batch 1 and short outputs."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+
     def engine(**graphs: object) -> Engine:
         limits = {"max_running_requests": 1, **graphs}
-        return (spec_engine(spec_pair, "chain-s3-n4", **limits) if algorithm == "eagle"
-                else mtp_engine(spec_pair, mtp_dir, "chain-s3-n4", **limits))
+        return (spec_engine(spec_pair, config, **limits) if algorithm == "eagle"
+                else mtp_engine(spec_pair, mtp_dir, config, **limits))
 
     params = [SamplingParams(max_new_tokens=12, ignore_eos=True)] * 2
     eager = engine().generate(SPEC_PROMPTS[:2], params)
-    frozen = engine(cuda_graph=True, graph_executor="frozen")
-    assert isinstance(frozen.runner, GraphRunner) and frozen.runner.executor.name == "frozen"
-    keys: Counter[GraphKey] = Counter()
-    count_draft_graphs(frozen.runner, keys)
-    run = frozen.runner.executor.run
-
-    def counted_run(key: GraphKey, views: object) -> object:
-        keys[key] += 1
-        return run(key, views)  # type: ignore[arg-type]
-
-    frozen.runner.executor.run = counted_run  # type: ignore[method-assign,assignment]
-    graphed = frozen.generate(SPEC_PROMPTS[:2], params)
-    assert [o.output_ids for o in graphed] == [o.output_ids for o in eager]
-    assert [o.accept_lens for o in graphed] == [o.accept_lens for o in eager]
-    assert {k.kind for k in keys} == ({"verify", "draft:eagle", "extend:eagle"}
-                                      if algorithm == "eagle" else {"verify", "draft:mtp"}), keys
+    want = [(o.output_ids, o.accept_lens) for o in eager]
+    kinds = ({"verify", "draft:eagle", "extend:eagle"} if algorithm == "eagle"
+             else {"verify", "draft:mtp"})
+    for attempt, pool_tokens in (("first", 4096), ("later", 8192)):
+        graphs = engine(cuda_graph=True, graph_executor=executor, kv_pool_tokens=pool_tokens)
+        assert isinstance(graphs.runner, GraphRunner) and graphs.runner.executor.name == executor
+        keys = count_keys(graphs.runner)
+        graphed = graphs.generate(SPEC_PROMPTS[:2], params)
+        assert [(o.output_ids, o.accept_lens) for o in graphed] == want
+        assert {k.kind for k in keys} == kinds, keys
+        if executor != "aot":
+            break
+        built = graphs.runner.executor.packages.cache.builds
+        assert (len(built) == len(keys)) if attempt == "first" else not built, built

@@ -14,16 +14,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from conformance.bench.measure import run_bench
     from conformance.bench.result import format_table
     from conformance.report.progress import Steps
-    from conformance.run.device import device_problem
+    from conformance.run.device import best_graphs, device_problem
 
-    problem = device_problem(args.device, args.graphs)
+    graphs = best_graphs(args.graphs, args.device)
+    problem = device_problem(args.device, graphs)
     if problem:
         raise UsageError(problem)
     backends = [b for b in (args.backends or ("refengine,hf" if args.spec == "none"
                                                else "refengine")).split(",") if b]
     loaded = validate(args.spec, backends, args.model, args.draft_model)
-    if args.graphs and not any(b.capabilities().graph_runner for b in loaded):
-        raise UsageError(f"--graphs: none of {', '.join(backends)} claims graph_runner")
+    if graphs and not any(b.capabilities().graph_runner for b in loaded):
+        if args.graphs != "auto":  # asked for by name: say why it cannot be had
+            raise UsageError(f"--graphs: none of {', '.join(backends)} claims graph_runner")
+        graphs = None  # the default: graph lanes for the backends that have a graph runner
     json_path = output_file(args.json) if args.json else None
     try:
         batch_sizes = parse_batch_sizes(args.batch_sizes)
@@ -32,7 +35,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                max_new_tokens=args.max_new_tokens, spec=args.spec,
                                progress=steps, model=args.model, draft_model=args.draft_model,
                                min_requests=args.min_requests, repeats=args.repeats,
-                               graphs=args.graphs, device=args.device)
+                               graphs=graphs, device=args.device)
     except (ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
     print(format_table(result))

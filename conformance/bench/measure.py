@@ -58,6 +58,7 @@ class BatchRun:
     seconds: float
     accept_lens: list[list[int]]     # per request
     steps: int                       # handle.step() calls
+    outputs: list[list[int]]         # per request, in submission order
 
 
 def _run_batch(handle: EngineHandle, prompts: list[tuple[int, ...]], max_new_tokens: int,
@@ -69,6 +70,7 @@ def _run_batch(handle: EngineHandle, prompts: list[tuple[int, ...]], max_new_tok
     pending = set(rids)
     tokens = idle = steps = 0
     accepts: list[list[int]] = []
+    outputs: dict[str, list[int]] = {}
     start = time.perf_counter()
     for rid, ids in zip(rids, prompts, strict=True):
         handle.submit(Request(rid, ids, params))
@@ -80,6 +82,7 @@ def _run_batch(handle: EngineHandle, prompts: list[tuple[int, ...]], max_new_tok
                 pending.discard(ev.rid)
                 tokens += len(ev.output_ids)
                 accepts.append(list(ev.accept_lens))
+                outputs[ev.rid] = list(ev.output_ids)
         # A step may legitimately report nothing (a chunked prefill), but not forever.
         idle = 0 if events else idle + 1
         if idle > _MAX_IDLE_STEPS:
@@ -87,7 +90,8 @@ def _run_batch(handle: EngineHandle, prompts: list[tuple[int, ...]], max_new_tok
                                f"with {len(pending)} requests unfinished")
     if meter is not None:
         meter.sync()
-    return BatchRun(tokens, time.perf_counter() - start, accepts, steps)
+    return BatchRun(tokens, time.perf_counter() - start, accepts, steps,
+                    [outputs[rid] for rid in rids])
 
 
 def _phase_seconds(handle: EngineHandle) -> dict[str, float]:

@@ -101,8 +101,20 @@ def format_table(result: BenchResult) -> str:
             tau = "" if t.tau is None else (f"tau {t.tau:.2f}  acceptance "
                                             f"{[round(a, 2) for a in t.per_position_acceptance]}  ")
             lines.append(f"  batch {b:>3} {label}: {tau}{phases}")
-    lines.extend(device_lines(result))
+    lines.extend(device_lines(result) or first_use_lines(result))
     return "\n".join(lines)
+
+
+def first_use_lines(result: BenchResult) -> list[str]:
+    """Per batch size, what each graph lane's first use of its shapes cost beyond its timed
+    run: compiling, building or loading its keys (on a GPU ``device_lines`` has it)."""
+    costs = [f"batch {row.batch_size} {label} {t.capture_seconds:.2f} s"
+             for row in result.rows for label, t in row.results.items()
+             if t.capture_seconds is not None]
+    if not costs:
+        return []
+    return ["", "first use of each graph lane's shapes (compile, build or load), beyond its "
+            "timed run: " + ", ".join(costs)]
 
 
 def step_split(t: BackendTiming) -> dict[str, float]:

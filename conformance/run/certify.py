@@ -185,10 +185,11 @@ def cmd_certify(args: argparse.Namespace) -> int:
     )
     from conformance.report.progress import stderr_console
     from conformance.report.report_dir import ReportDir, ReportDirError
-    from conformance.run.device import device_problem
+    from conformance.run.device import best_graphs, device_problem
     from conformance.run.specs import resolve_specs
 
     multi = args.spec in MULTI_SPEC
+    args.graphs = best_graphs(args.graphs, args.device)
     problem = device_problem(args.device, args.graphs)
     if problem:
         raise UsageError(problem)

@@ -1,6 +1,7 @@
 """``--device`` (certify, bench) and ``--specgate-device``: where the backend runs, checked
 before any work. ``cpu`` always works; ``cuda`` and ``cuda:N`` need torch to see that CUDA
-device, and the ``cuda`` graph executor (CUDA graphs) needs a CUDA device to capture on."""
+device, and the ``cuda`` graph executor (CUDA graphs) needs a CUDA device to capture on.
+``--graphs auto`` picks the graph executor for the device (``best_graphs``)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,12 @@ def device_problem(device: str, graphs: str | None) -> str | None:
     if graphs == "cuda" and device == "cpu":
         return "--graphs cuda: CUDA graphs need a CUDA device (add --device cuda)"
     return None
+
+
+def best_graphs(graphs: str | None, device: str) -> str | None:
+    """What ``--graphs`` asks for on ``device``: ``auto`` is the fastest executor the graph tier
+    passes on there (CUDA graphs on a GPU; on the CPU, AOT packages: compiled once per
+    machine, loaded by later runs), ``none`` is off, any other name is itself."""
+    if graphs == "auto":
+        return "aot" if device == "cpu" else "cuda"
+    return None if graphs == "none" else graphs

@@ -1,11 +1,15 @@
-"""Persistent compiled keys: the "aot" executor exports each key's forward once per machine,
-compiles it ahead of time into an AOTInductor package (weights folded in, the frozen
-executor's settings) and stores it in a cache directory; later processes load the package
-(a fraction of a second) and call it without Dynamo's tracing, guards or wrappers.
+"""Persistent compiled keys: the "aot" executor exports each key's forward (the target's
+decode and verify, the draft loops) once per machine, compiles it ahead of time into an
+AOTInductor package (weights folded in, the frozen executor's settings) and stores it in a
+cache directory; later processes load the package (a fraction of a second) and call it
+without Dynamo's tracing, guards or wrappers. Each build says which key it compiles and how
+long it took (minutes in all, the first time a lane runs on a machine).
 
 An artefact's name is a digest of everything that changes it (``ArtefactKey``): the weights,
-the key's shape, the compile settings, the dtype, torch's version, the CPU's instruction set,
-the thread count and the source of the code the forward runs. A different model or torch
+the key's constants and input shapes, the compile settings, torch's version, the CPU's
+instruction set, the thread count and the source of the code the forward runs. The sizes that
+follow an engine's limits (the pool's slots, the row table's rows) are left free in the package
+(``open_limits``), so engines opened with other limits share it. A different model or torch
 gives a different name, so a stale artefact is never found; one that fails to load (a
 truncated write, a corrupt file) is deleted and rebuilt. A build writes to a private temporary
 file and renames it into place, so processes building the same key at once (xdist workers)
@@ -20,11 +24,14 @@ import functools
 import hashlib
 import json
 import os
+import sys
+import time
 import uuid
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -32,13 +39,15 @@ from refengine.graph.compile import FROZEN_WEIGHTS
 from refengine.graph.executors import GraphKey, whole_forward
 from refengine.graph.staging import StagedViews
 from refengine.memory.kv_pool import KVPool
-from refengine.model.llama import ForwardOutput, LlamaForCausalLM
+from refengine.model.llama import ForwardOutput, LlamaForCausalLM, Rotary
 
 CACHE_ENV = "SPECGATE_CACHE_DIR"
 _REFENGINE = Path(__file__).resolve().parents[1]
 # The code a compiled forward is made of: a change in any of these changes every artefact.
-_FORWARD_SOURCES = ("model/llama.py", "model/attention.py", "graph/executors.py",
-                    "graph/staging.py", "graph/compile.py", "graph/aot.py")
+_FORWARD_SOURCES = ("model/llama.py", "model/attention.py", "model/eagle.py",
+                    "model/frozen_kv_mtp.py", "graph/executors.py", "graph/staging.py",
+                    "graph/compile.py", "graph/aot.py", "graph/draft_loop.py",
+                    "speculative/draft_search.py")
 
 
 def cache_dir() -> Path:
@@ -49,13 +58,35 @@ def cache_dir() -> Path:
     return Path(base) / "specgate"
 
 
-def weights_digest(model: torch.nn.Module) -> str:
+def weights_digest(module: torch.nn.Module) -> str:
     """A digest of every parameter and buffer (name, dtype, shape, bytes)."""
     h = hashlib.sha256()
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
+
+
+Dims = dict[int, torch.export.Dim]  # an input's dimensions that a package leaves free
+
+
+def open_limits() -> tuple[Dims, Dims]:
+    """The free dimensions of the KV pool (its slots) and of the row table (its rows): they
+    follow the limits an engine opens with (pool tokens, requests), not the shapes a key
+    computes on, so engines opened with other limits share the package. The table's width
+    stays fixed: a key at the widest width reads the whole row, a narrower one a prefix, and
+    export compiles the two differently."""
+    return {1: torch.export.Dim("slots", min=2)}, {0: torch.export.Dim("rows", min=2)}
+
+
+def signature(inputs: Sequence[torch.Tensor], free: Sequence[Dims | None] = ()) -> str:
+    """Every input's dtype, shape (a free dimension by its name) and device: a package runs
+    on exactly these."""
+    def dims(i: int, t: torch.Tensor) -> list[int | str]:
+        names = (free[i] if i < len(free) else None) or {}
+        return [names[d].__name__ if d in names else n for d, n in enumerate(t.shape)]
+
+    return ";".join(f"{t.dtype}{dims(i, t)}@{t.device}" for i, t in enumerate(inputs))
 
 
 @functools.cache
@@ -68,14 +99,14 @@ def code_digest() -> str:
 
 @dataclass(frozen=True)
 class ArtefactKey:
-    """Everything a package depends on; its file name is a digest of all of it."""
+    """Everything a package depends on; its file name is a digest of all of it. ``label``
+    names the key for people (``decode-b1-kv256``) and carries the constants baked into its
+    code (bucket, key width, a draft loop's top-k and steps), so it is part of the digest."""
 
+    label: str
     weights: str
-    kind: str
-    bucket: int
-    max_kv: int
+    inputs: str
     settings: str
-    dtype: str
     torch: str
     isa: str
     threads: int
@@ -83,15 +114,26 @@ class ArtefactKey:
 
     def file_name(self) -> str:
         digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
-        return f"{self.kind}-b{self.bucket}-kv{self.max_kv}-{digest[:20]}.pt2"
+        return f"{self.label}-{digest[:20]}.pt2"
+
+
+@dataclass(frozen=True)
+class Build:
+    """One package compiled by this process: which key, in how many seconds."""
+
+    label: str
+    seconds: float
 
 
 class PackageCache:
     """Compiled packages on disk, one file per ``ArtefactKey``."""
 
-    def __init__(self, root: Path | None = None) -> None:
+    def __init__(self, root: Path | None = None, progress: TextIO | None = sys.stderr) -> None:
+        """``progress``: where each build says which key it compiles and how long it took
+        (a first run on a machine compiles for minutes); None: silent."""
         self.root = (root or cache_dir()) / "aot"
-        self.builds = 0  # packages this instance compiled (the rest it loaded)
+        self.progress = progress
+        self.builds: list[Build] = []  # the packages this instance compiled (the rest it loaded)
 
     def load_or_build(self, key: ArtefactKey, build: Callable[[Path], None]) -> Any:
         """The loaded package of ``key``: from the cache, or built by ``build(path)`` (which
@@ -106,13 +148,22 @@ class PackageCache:
         self.root.mkdir(parents=True, exist_ok=True)
         # private to this build, and still a ".pt2" (the packager insists on the suffix)
         temporary = path.with_name(f".tmp-{os.getpid()}-{uuid.uuid4().hex}-{path.name}")
+        self._say(f"specgate: compiling {key.label} (once per machine, into {self.root})")
+        start = time.perf_counter()
         try:
             build(temporary)
-            self.builds += 1
             os.replace(temporary, path)  # atomic: a reader sees no package or a whole one
         finally:
             temporary.unlink(missing_ok=True)
+        self.builds.append(Build(key.label, time.perf_counter() - start))
+        self._say(f"specgate: compiled {key.label} in {self.builds[-1].seconds:.1f} s "
+                  f"({len(self.builds)} this run, "
+                  f"{sum(b.seconds for b in self.builds):.0f} s in all)")
         return torch._inductor.aoti_load_package(str(path))
+
+    def _say(self, line: str) -> None:
+        if self.progress is not None:
+            print(line, file=self.progress, flush=True)
 
     def entries(self) -> list[Path]:
         """The packages (not the temporaries of builds under way or killed)."""
@@ -130,6 +181,13 @@ class PackageCache:
         return removed
 
 
+def register_tables(module: torch.nn.Module, rotary: Rotary) -> None:
+    """The rotary tables (plain tensors, not module state) as ``module``'s buffers, so the
+    weights digest of what a package exports covers them (they follow the model's config)."""
+    module.register_buffer("rotary_cos", rotary.cos, persistent=False)
+    module.register_buffer("rotary_sin", rotary.sin, persistent=False)
+
+
 class _KeyForward(torch.nn.Module):
     """The graph runner's whole forward at one key width, as a module to export (its weights
     are the model's; the pools, staged views and row table are its inputs)."""
@@ -137,6 +195,7 @@ class _KeyForward(torch.nn.Module):
     def __init__(self, model: LlamaForCausalLM, max_kv: int) -> None:
         super().__init__()
         self.model, self.max_kv = model, max_kv
+        register_tables(self, model.rotary)
 
     def forward(self, k_pool: torch.Tensor, v_pool: torch.Tensor, input_ids: torch.Tensor,
                 positions: torch.Tensor, out_slots: torch.Tensor, rows: torch.Tensor,
@@ -144,6 +203,57 @@ class _KeyForward(torch.nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         return whole_forward(self.model, k_pool, v_pool, input_ids, positions, out_slots,
                               rows, seq_lens, tree_mask, table, self.max_kv)
+
+
+class AotPackages:
+    """Loaded packages by key, for one module's forward (the target's, or a draft loop's):
+    ``load(key, label, module, inputs)`` loads the key's package, building it first if this
+    machine has none (``module`` exported on ``inputs``); ``run(key, inputs)`` calls it
+    directly, with no tracing, guards or Python wrapper around the compiled code."""
+
+    def __init__(self, weights: torch.nn.Module, cache: PackageCache | None = None) -> None:
+        """``weights``: a module holding every tensor the packages fold in (its digest is
+        part of every key)."""
+        self.weights_of, self.cache = weights, cache or PackageCache()
+        self._loaded: dict[Hashable, Any] = {}
+        self._weights: str | None = None
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._loaded
+
+    def artefact_key(self, label: str, inputs: Sequence[torch.Tensor],
+                     free: Sequence[Dims | None]) -> ArtefactKey:
+        if self._weights is None:  # hashing the weights is the slow part: once per instance
+            self._weights = weights_digest(self.weights_of)
+        return ArtefactKey(label, self._weights, signature(inputs, free),
+                           json.dumps(FROZEN_WEIGHTS, sort_keys=True), torch.__version__,
+                           torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
+                           code_digest())
+
+    def load(self, key: Hashable, label: str, module: Callable[[], torch.nn.Module],
+             inputs: Sequence[torch.Tensor], free: Sequence[Dims | None] = ()) -> None:
+        """Have ``key``'s package loaded; ``module()`` makes what a build exports on
+        ``inputs``, whose dimensions in ``free`` (per input) the package leaves free."""
+        if key in self._loaded:
+            return
+
+        def build(path: Path) -> None:
+            with torch.no_grad():
+                program = torch.export.export(
+                    module().eval(), tuple(inputs), strict=False,
+                    dynamic_shapes=[(free[i] if i < len(free) else None) or None
+                                    for i in range(len(inputs))])
+            with warnings.catch_warnings():  # torch's own pytree deprecation, once per build
+                warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+                torch._inductor.aoti_compile_and_package(program, package_path=str(path),
+                                                         inductor_configs=dict(FROZEN_WEIGHTS))
+
+        self._loaded[key] = self.cache.load_or_build(self.artefact_key(label, inputs, free),
+                                                     build)
+
+    def run(self, key: Hashable, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.inference_mode():
+            return self._loaded[key].loader.run(list(inputs))
 
 
 class AotExecutor:
@@ -156,38 +266,19 @@ class AotExecutor:
     def __init__(self, model: LlamaForCausalLM, kv: KVPool, table: torch.Tensor,
                  cache: PackageCache | None = None) -> None:
         self.model, self.kv, self.table = model, kv, table
-        self.cache = cache or PackageCache()
-        self._loaded: dict[GraphKey, Any] = {}
-        self._weights: str | None = None
-
-    def artefact_key(self, key: GraphKey) -> ArtefactKey:
-        if self._weights is None:
-            self._weights = weights_digest(self.model)
-        return ArtefactKey(self._weights, key.kind, key.bucket, key.max_kv,
-                           json.dumps(FROZEN_WEIGHTS, sort_keys=True),
-                           str(self.kv.k.dtype), torch.__version__,
-                           torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
-                           code_digest())
+        self.packages = AotPackages(_KeyForward(model, 0), cache)
 
     def _inputs(self, views: StagedViews) -> list[torch.Tensor]:
         return [self.kv.k, self.kv.v, views.input_ids, views.positions, views.out_slots,
                 views.rows, views.seq_lens, views.tree_mask, self.table]
 
     def prepare(self, key: GraphKey, views: StagedViews) -> None:
-        if key in self._loaded:
-            return
-
-        def build(path: Path) -> None:
-            with torch.no_grad():
-                program = torch.export.export(_KeyForward(self.model, key.max_kv).eval(),
-                                              tuple(self._inputs(views)), strict=False)
-            torch._inductor.aoti_compile_and_package(program, package_path=str(path),
-                                                     inductor_configs=dict(FROZEN_WEIGHTS))
-
-        self._loaded[key] = self.cache.load_or_build(self.artefact_key(key), build)
+        pool, table = open_limits()
+        self.packages.load(key, f"{key.kind}-b{key.bucket}-kv{key.max_kv}",
+                           lambda: _KeyForward(self.model, key.max_kv), self._inputs(views),
+                           [pool, pool, *[None] * 6, table])
 
     def run(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
         self.prepare(key, views)
-        with torch.inference_mode():
-            logits, features = self._loaded[key].loader.run(self._inputs(views))
+        logits, features = self.packages.run(key, self._inputs(views))
         return ForwardOutput(logits, features)

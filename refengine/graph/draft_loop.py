@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from refengine.device import from_host
+from refengine.graph.aot import AotPackages, PackageCache, open_limits, register_tables
 from refengine.graph.compile import InPlaceKV, WarmKeys, own_code
 from refengine.graph.cuda_graph import CudaGraphs, GraphRecorder, KeyedGraphs, clone_outputs
 from refengine.graph.staging import DUMMY_ROW, DUMMY_SLOT, pad_to_bucket
@@ -133,9 +134,11 @@ class LoopStaging:
 
 
 # --- the loops: the captured callables --------------------------------------------------------
+# The pool a loop reads and writes: the engine's, or (an exported loop) its tensors as inputs.
+LoopPool = KVPool | InPlaceKV
 
 
-def eagle_forward(draft: EagleDraftModel, pool: KVPool, tokens: torch.Tensor,
+def eagle_forward(draft: EagleDraftModel, pool: LoopPool, tokens: torch.Tensor,
                   features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                   attention: AttentionMetadata, keep: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +151,7 @@ def eagle_forward(draft: EagleDraftModel, pool: KVPool, tokens: torch.Tensor,
     return draft.predict(x)
 
 
-def eagle_loop(draft: EagleDraftModel, pool: KVPool, table: torch.Tensor, topk: int,
+def eagle_loop(draft: EagleDraftModel, pool: LoopPool, table: torch.Tensor, topk: int,
                steps: int, max_kv: int, topk_p: torch.Tensor, topk_index: torch.Tensor,
                hidden: torch.Tensor, rows: torch.Tensor, roots: torch.Tensor,
                scratch: torch.Tensor) -> LoopOutput:
@@ -166,7 +169,7 @@ def eagle_loop(draft: EagleDraftModel, pool: KVPool, table: torch.Tensor, topk: 
     return search(topk_p, topk_index, hidden, steps, forward)
 
 
-def eagle_extend(draft: EagleDraftModel, pool: KVPool, table: torch.Tensor, topk: int,
+def eagle_extend(draft: EagleDraftModel, pool: LoopPool, table: torch.Tensor, topk: int,
                  steps: int, max_kv: int, ids: torch.Tensor, hidden: torch.Tensor,
                  rows: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +189,7 @@ def eagle_extend(draft: EagleDraftModel, pool: KVPool, table: torch.Tensor, topk
 
 
 def mtp_forward(draft: FrozenKVMTPDraftModel, tokens: torch.Tensor, hidden: torch.Tensor,
-                positions: torch.Tensor, attention: AttentionMetadata, pool: KVPool
+                positions: torch.Tensor, attention: AttentionMetadata, pool: LoopPool
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The assistant's own forward (its class's, a subclass's included) without the
     ``inference_mode`` decorator where it has one: the executor already runs in inference mode,
@@ -197,7 +200,7 @@ def mtp_forward(draft: FrozenKVMTPDraftModel, tokens: torch.Tensor, hidden: torc
     return forward(draft, tokens, hidden, positions, attention, pool)
 
 
-def mtp_loop(draft: FrozenKVMTPDraftModel, pool: KVPool, table: torch.Tensor, topk: int,
+def mtp_loop(draft: FrozenKVMTPDraftModel, pool: LoopPool, table: torch.Tensor, topk: int,
              steps: int, max_kv: int, bonus_tokens: torch.Tensor, hidden: torch.Tensor,
              rows: torch.Tensor, seq_lens: torch.Tensor) -> LoopOutput:
     """The seed (iteration 0) over one row per request, then ``steps - 1`` iterations over
@@ -219,6 +222,7 @@ def mtp_loop(draft: FrozenKVMTPDraftModel, pool: KVPool, table: torch.Tensor, to
 
 
 GraphOutput = LoopOutput | tuple[torch.Tensor, torch.Tensor]  # a loop's, or extend's
+LOOP_EXECUTORS = ("replay", "compiled", "frozen", "cuda", "aot")
 LOOPS: dict[str, Callable[..., GraphOutput]] = {
     "draft:eagle": eagle_loop, "draft:mtp": mtp_loop, "extend:eagle": eagle_extend}
 
@@ -239,20 +243,24 @@ class DraftLoopGraph:
     Executors: "replay" calls the loop on the static views; "compiled" compiles it per key
     (``fullgraph``, static shapes; one code copy per key, as ``CompiledExecutor``); "frozen"
     compiles it with the draft's weights folded in (``FROZEN_WEIGHTS``); "cuda" captures it per
-    key as a CUDA graph (``cuda_graph.py``) and copies each replay's outputs out."""
+    key as a CUDA graph (``cuda_graph.py``) and copies each replay's outputs out; "aot" calls
+    a persistent package per key, compiled once per machine with the frozen settings
+    (``aot.py``)."""
 
     staging_class: type[LoopStaging] = LoopStaging  # the bug zoo swaps in a broken restaging
 
     def __init__(self, draft: EagleDraftModel | FrozenKVMTPDraftModel, pool: KVPool,
                  table: torch.Tensor, topk: int, steps: int, sizes: Sequence[int],
                  kv_sizes: Sequence[int], executor: str, extend_rows: int = 0,
-                 recorder: GraphRecorder | None = None) -> None:
+                 recorder: GraphRecorder | None = None,
+                 packages: PackageCache | None = None) -> None:
         """``extend_rows`` > 0 (an EAGLE head): the graph of the head's draft-extend over that
         many rows per request ("extend:eagle") instead of the draft loop. ``recorder``: what
         records the "cuda" executor's graphs (the target's, so they share its pool; by default
-        real CUDA graphs on the table's device)."""
-        if executor not in ("replay", "compiled", "frozen", "cuda"):
-            raise ValueError(f"draft loop executor: 'replay', 'compiled', 'frozen' or 'cuda', "
+        real CUDA graphs on the table's device). ``packages``: where the "aot" executor keeps
+        its packages (the target's cache, so one engine reports its builds together)."""
+        if executor not in LOOP_EXECUTORS:
+            raise ValueError(f"draft loop executor: one of {', '.join(LOOP_EXECUTORS)}, "
                              f"got {executor!r}")
         self.draft, self.pool, self.table = draft, pool, table
         self.topk, self.steps = topk, steps
@@ -270,6 +278,8 @@ class DraftLoopGraph:
         self._compiled: dict[tuple[int, int], Callable[..., Any]] = {}
         self.graphs = (KeyedGraphs(recorder or CudaGraphs(table.device))
                        if executor == "cuda" else None)
+        self.packages = (AotPackages(_LoopForward(self, 0), packages) if executor == "aot"
+                         else None)
         self._warm = WarmKeys(self.executor == "frozen")
 
     def key(self, raw: int, longest: int) -> tuple[int, int] | None:
@@ -338,8 +348,61 @@ class DraftLoopGraph:
                 return self._loop(*args, **views)
             if self.graphs is not None:  # "cuda": replay the key's graph, copy its outputs out
                 return clone_outputs(self.graphs.run(key, lambda: self._loop(*args, **views)))
+            if self.packages is not None:  # "aot": the key's package, built once per machine
+                return self._run_package(key, views)
             if key not in self._compiled:
                 self._compiled[key] = torch.compile(own_code(self._loop), fullgraph=True,
                                                     dynamic=False)
             with self._warm.settings(key):
                 return self._compiled[key](*args, **views)
+
+    def _run_package(self, key: tuple[int, int], views: dict[str, torch.Tensor]
+                     ) -> GraphOutput:
+        assert self.packages is not None
+        inputs = [self.pool.k, self.pool.v, self.table, *(views[f] for f in self.staging.fields)]
+        if key not in self.packages:
+            shape = (f"k{self.topk}-s{self.steps}"
+                     + (f"-n{self.staging.buffers['ids'].shape[1]}"
+                        if self.kind == "extend:eagle" else ""))
+            pool, table = open_limits()
+            self.packages.load(key, f"{self.kind.replace(':', '-')}-{shape}-b{key[0]}-kv{key[1]}",
+                               lambda: _LoopForward(self, key[1]), inputs, [pool, pool, table])
+        return _unflatten(self.packages.run(key, inputs))
+
+
+def _flatten(out: GraphOutput) -> tuple[torch.Tensor, ...]:
+    if isinstance(out, Candidates):
+        return (out.scores, out.tokens, out.parents)
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _unflatten(tensors: Sequence[torch.Tensor]) -> GraphOutput:
+    """``_flatten``'s inverse: a chain's tokens (one tensor), extend's pair, a beam's three."""
+    if len(tensors) == 1:
+        return tensors[0]
+    if len(tensors) == 2:
+        return (tensors[0], tensors[1])
+    return Candidates(*tensors)
+
+
+class _LoopForward(torch.nn.Module):
+    """A draft loop at one key width as a module to export for the "aot" executor: the draft's
+    weights (and the target's embedding, LM head and rotary tables it borrows, registered here
+    so the package's weights digest covers them) are its own; the pool, the row table and the
+    staged buffers (in ``LOOP_FIELDS`` order) are its inputs; its outputs are flat tensors."""
+
+    def __init__(self, graph: DraftLoopGraph, max_kv: int) -> None:
+        super().__init__()
+        self.draft = graph.draft
+        for name in ("target_embed", "target_lm_head"):
+            if hasattr(graph.draft, name):
+                self.add_module(f"borrowed_{name}", getattr(graph.draft, name))
+        register_tables(self, graph.draft.rotary)
+        self.loop, self.fields = graph._loop, list(graph.staging.fields)
+        self.topk, self.steps, self.max_kv = graph.topk, graph.steps, max_kv
+
+    def forward(self, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                *views: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _flatten(self.loop(self.draft, InPlaceKV(k_pool, v_pool), table, self.topk,
+                                  self.steps, self.max_kv, **dict(zip(self.fields, views,
+                                                                      strict=True))))

@@ -115,7 +115,7 @@ class GraphRunner:
         self.executor = (self._make_executor(executor) if isinstance(executor, str)
                          else executor)
         # The whole draft step as one graph, for a runner with a draft model: ``draft_steps``
-        # is (topk, num_steps). Its executor is the target's ("replay", "compiled", "frozen").
+        # is (topk, num_steps). Its executor is the target's ("compiled-layers": "compiled").
         self.draft_loop: DraftLoopGraph | None = None
         # An EAGLE head's draft-extend as a graph too (N rows per request, the verify width).
         self.draft_extend: DraftLoopGraph | None = None
@@ -126,18 +126,20 @@ class GraphRunner:
                     else runner.kv.target_pool)
             assert pool is not None, "an EAGLE head keeps draft KV"
             loop_executor = (self.executor.name
-                             if self.executor.name in ("replay", "frozen", "cuda")
+                             if self.executor.name in ("replay", "frozen", "cuda", "aot")
                              else "compiled")
             # CUDA graphs: the loops record into the target's pool (one pool per runner).
             recorder = (self.executor.graphs if isinstance(self.executor, CudaGraphExecutor)
                         else None)
+            packages = (self.executor.packages.cache if isinstance(self.executor, AotExecutor)
+                        else None)
             self.draft_loop = self.draft_loop_class(
                 draft, pool, table, *draft_steps, self.sizes, self.kv_sizes, loop_executor,
-                recorder=recorder)
+                recorder=recorder, packages=packages)
             if isinstance(draft, EagleDraftModel) and "verify" in self.kinds:
                 self.draft_extend = self.draft_loop_class(
                     draft, pool, table, *draft_steps, self.sizes, self.kv_sizes, loop_executor,
-                    extend_rows=self.kinds["verify"], recorder=recorder)
+                    extend_rows=self.kinds["verify"], recorder=recorder, packages=packages)
 
     def _make_executor(self, name: str) -> Executor:
         if name == "replay":
