@@ -44,6 +44,7 @@ def fake_packages(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return path
 
     monkeypatch.setattr(torch._inductor, "aoti_load_package", load)
+    monkeypatch.setattr(aot, "_LOADED", {})  # this test's process has loaded nothing yet
     return loaded
 
 
@@ -63,8 +64,11 @@ def test_the_file_name_covers_every_field() -> None:
 
 def test_built_once_then_loaded(tmp_path: Path, fake_packages: list[str]) -> None:
     cache = PackageCache(tmp_path)
-    cache.load_or_build(KEY, write_package)
-    again = PackageCache(tmp_path)  # a later process
+    first = cache.load_or_build(KEY, write_package)
+    same_process = PackageCache(tmp_path)  # another engine: the package loaded already
+    assert same_process.load_or_build(KEY, write_package) is first and len(fake_packages) == 1
+    aot._LOADED.clear()  # a later process
+    again = PackageCache(tmp_path)
     again.load_or_build(KEY, lambda p: pytest.fail("a cached key was built again"))
     assert (len(cache.builds), len(again.builds)) == (1, 0) and len(fake_packages) == 2
     assert [p.name for p in cache.entries()] == [KEY.file_name()]
@@ -159,6 +163,7 @@ def test_a_compiled_key_loads_in_a_later_executor_without_compiling(tmp_path: Pa
     assert len(first.packages.cache.builds) == 1
     torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(kv.k[:, 0], written, atol=1e-4, rtol=1e-4)
+    aot._LOADED.clear()  # a later process: it loads the package from disk
     later = AotExecutor(runner.target, kv, table, PackageCache(tmp_path))
     start = time.perf_counter()
     torch.testing.assert_close(later.run(key, views).logits, got.logits)

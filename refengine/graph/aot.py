@@ -117,6 +117,17 @@ class ArtefactKey:
         return f"{self.label}-{digest[:20]}.pt2"
 
 
+# Packages this process has loaded, by file: every engine on the same weights and key shares
+# one (a package is called with the engine's own pool and buffers, and holds nothing else that
+# a call changes), so a run that opens many engines loads each package once.
+_LOADED: dict[Path, Any] = {}
+
+
+def _load(path: Path) -> Any:
+    _LOADED[path] = torch._inductor.aoti_load_package(str(path))
+    return _LOADED[path]
+
+
 @dataclass(frozen=True)
 class Build:
     """One package compiled by this process: which key, in how many seconds."""
@@ -136,13 +147,15 @@ class PackageCache:
         self.builds: list[Build] = []  # the packages this instance compiled (the rest it loaded)
 
     def load_or_build(self, key: ArtefactKey, build: Callable[[Path], None]) -> Any:
-        """The loaded package of ``key``: from the cache, or built by ``build(path)`` (which
-        writes a package at ``path``) and stored first. A file that fails to load is deleted
-        and rebuilt."""
+        """The loaded package of ``key``: loaded already by this process, from the cache, or
+        built by ``build(path)`` (which writes a package at ``path``) and stored first. A
+        file that fails to load is deleted and rebuilt."""
         path = self.root / key.file_name()
+        if path in _LOADED:
+            return _LOADED[path]
         if path.exists():
             try:
-                return torch._inductor.aoti_load_package(str(path))
+                return _load(path)
             except Exception:  # any failure to load means: not usable
                 path.unlink(missing_ok=True)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -159,7 +172,7 @@ class PackageCache:
         self._say(f"specgate: compiled {key.label} in {self.builds[-1].seconds:.1f} s "
                   f"({len(self.builds)} this run, "
                   f"{sum(b.seconds for b in self.builds):.0f} s in all)")
-        return torch._inductor.aoti_load_package(str(path))
+        return _load(path)
 
     def _say(self, line: str) -> None:
         if self.progress is not None:
@@ -197,12 +210,10 @@ class _KeyForward(torch.nn.Module):
         self.model, self.max_kv = model, max_kv
         register_tables(self, model.rotary)
 
-    def forward(self, k_pool: torch.Tensor, v_pool: torch.Tensor, input_ids: torch.Tensor,
-                positions: torch.Tensor, out_slots: torch.Tensor, rows: torch.Tensor,
-                seq_lens: torch.Tensor, tree_mask: torch.Tensor, table: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        return whole_forward(self.model, k_pool, v_pool, input_ids, positions, out_slots,
-                              rows, seq_lens, tree_mask, table, self.max_kv)
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``inputs``: the pools, the staged views and the row table, in ``whole_forward``'s
+        order."""
+        return whole_forward(self.model, *inputs, self.max_kv)
 
 
 class AotPackages:
@@ -232,17 +243,17 @@ class AotPackages:
 
     def load(self, key: Hashable, label: str, module: Callable[[], torch.nn.Module],
              inputs: Sequence[torch.Tensor], free: Sequence[Dims | None] = ()) -> None:
-        """Have ``key``'s package loaded; ``module()`` makes what a build exports on
-        ``inputs``, whose dimensions in ``free`` (per input) the package leaves free."""
+        """Have ``key``'s package loaded; ``module()`` makes what a build exports (its forward
+        takes ``*inputs``), ``free`` the dimensions of each input the package leaves free."""
         if key in self._loaded:
             return
 
         def build(path: Path) -> None:
-            with torch.no_grad():
-                program = torch.export.export(
-                    module().eval(), tuple(inputs), strict=False,
-                    dynamic_shapes=[(free[i] if i < len(free) else None) or None
-                                    for i in range(len(inputs))])
+            per_input = tuple((free[i] if i < len(free) else None) or None
+                              for i in range(len(inputs)))
+            with torch.no_grad():  # one entry per parameter, and ``*inputs`` is one
+                program = torch.export.export(module().eval(), tuple(inputs), strict=False,
+                                              dynamic_shapes=(per_input,))
             with warnings.catch_warnings():  # torch's own pytree deprecation, once per build
                 warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
                 torch._inductor.aoti_compile_and_package(program, package_path=str(path),

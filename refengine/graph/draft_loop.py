@@ -401,8 +401,9 @@ class _LoopForward(torch.nn.Module):
         self.loop, self.fields = graph._loop, list(graph.staging.fields)
         self.topk, self.steps, self.max_kv = graph.topk, graph.steps, max_kv
 
-    def forward(self, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                *views: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``inputs``: the pool's K and V, the row table, the staged buffers."""
+        k_pool, v_pool, table, *views = inputs
         return _flatten(self.loop(self.draft, InPlaceKV(k_pool, v_pool), table, self.topk,
                                   self.steps, self.max_kv, **dict(zip(self.fields, views,
                                                                       strict=True))))
