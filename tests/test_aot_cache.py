@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import re
+import threading
 import time
 from dataclasses import fields, replace
 from pathlib import Path
@@ -111,7 +112,30 @@ def test_a_failed_build_leaves_nothing(tmp_path: Path, fake_packages: list[str])
     cache = PackageCache(tmp_path)
     with pytest.raises(RuntimeError, match="compiler died"):
         cache.load_or_build(KEY, half_then_fail)
-    assert list(cache.root.iterdir()) == []
+    assert [p.name for p in cache.root.iterdir()] == [f".lock-{KEY.file_name()}"]
+
+
+def test_a_key_being_built_elsewhere_is_waited_for_then_loaded(
+        tmp_path: Path, fake_packages: list[str]) -> None:
+    """Two builders of one key at once (xdist workers): the second waits on the key's lock
+    and loads what the first built instead of compiling it again."""
+    building, order = threading.Event(), []
+
+    def slow_build(path: Path) -> None:
+        building.set()
+        time.sleep(0.3)
+        order.append("built")
+        write_package(path)
+
+    first = threading.Thread(target=PackageCache(tmp_path).load_or_build,
+                             args=(KEY, slow_build))
+    first.start()
+    building.wait()
+    second = PackageCache(tmp_path)  # its own open of the lock file, as another process's
+    second.load_or_build(KEY, lambda p: pytest.fail("built twice"))
+    order.append("loaded")
+    first.join()
+    assert order == ["built", "loaded"] and not second.builds
 
 
 def test_a_corrupt_package_is_rebuilt_never_used(tmp_path: Path,

@@ -12,14 +12,15 @@ follow an engine's limits (the pool's slots, the row table's rows) are left free
 (``open_limits``), so engines opened with other limits share it. A different model or torch
 gives a different name, so a stale artefact is never found; one that fails to load (a
 truncated write, a corrupt file) is deleted and rebuilt. A build writes to a private temporary
-file and renames it into place, so processes building the same key at once (xdist workers)
-never see half a package. The cache lives in ``$SPECGATE_CACHE_DIR``, else
-``$XDG_CACHE_HOME/specgate`` (``~/.cache/specgate``); ``specgate cache info|clear`` shows and
-empties it.
+file and renames it into place, so no reader ever sees half a package, and holds a lock file
+per key, so processes that need the same key at once (xdist workers) build it once. The
+cache lives in ``$SPECGATE_CACHE_DIR``, else ``$XDG_CACHE_HOME/specgate``
+(``~/.cache/specgate``); ``specgate cache info|clear`` shows and empties it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
@@ -153,12 +154,19 @@ class PackageCache:
         path = self.root / key.file_name()
         if path in _LOADED:
             return _LOADED[path]
-        if path.exists():
-            try:
-                return _load(path)
-            except Exception:  # any failure to load means: not usable
-                path.unlink(missing_ok=True)
         self.root.mkdir(parents=True, exist_ok=True)
+        # One build per key at a time on the machine: a process that finds another building
+        # it (an xdist worker beside this one) waits, then loads what that one built.
+        with open(path.with_name(f".lock-{path.name}"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if path.exists():
+                try:
+                    return _load(path)
+                except Exception:  # any failure to load means: not usable
+                    path.unlink(missing_ok=True)
+            return self._build(key, path, build)
+
+    def _build(self, key: ArtefactKey, path: Path, build: Callable[[Path], None]) -> Any:
         # private to this build, and still a ".pt2" (the packager insists on the suffix)
         temporary = path.with_name(f".tmp-{os.getpid()}-{uuid.uuid4().hex}-{path.name}")
         self._say(f"specgate: compiling {key.label} (once per machine, into {self.root})")
@@ -185,12 +193,13 @@ class PackageCache:
         return sorted(p for p in self.root.glob("*.pt2") if not p.name.startswith("."))
 
     def clear(self) -> int:
-        """Delete every package and any temporary a killed build left; -> packages deleted."""
+        """Delete every package, any temporary a killed build left and the lock files;
+        -> packages deleted."""
         removed = 0
         if self.root.is_dir():
-            for p in self.root.glob("*.pt2"):
+            for p in [*self.root.glob("*.pt2"), *self.root.glob(".lock-*")]:
                 p.unlink(missing_ok=True)
-                removed += not p.name.startswith(".")
+                removed += p.suffix == ".pt2" and not p.name.startswith(".")
         return removed
 
 
