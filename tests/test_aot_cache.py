@@ -21,6 +21,7 @@ from refengine.graph.aot import (
     ArtefactKey,
     PackageCache,
     cache_dir,
+    code_digest,
     open_limits,
     register_tables,
     signature,
@@ -102,6 +103,26 @@ def test_what_a_package_runs_on_is_part_of_its_key() -> None:
         register_tables(holder, Rotary(8, 16, theta))
         digests.add(weights_digest(holder))
     assert len(digests) == 2
+
+
+class PlusOne(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+class PlusTwo(PlusOne):  # a subclass that changes the forward, as a mutant or a backend would
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 2
+
+
+def test_a_subclass_that_changes_a_forward_has_packages_of_its_own() -> None:
+    def holding(inner: torch.nn.Module) -> torch.nn.Module:
+        outer = torch.nn.Module()
+        outer.inner = inner
+        return outer
+
+    assert code_digest(holding(PlusOne())) == code_digest(holding(PlusOne()))
+    assert code_digest(holding(PlusOne())) != code_digest(holding(PlusTwo()))
 
 
 def test_a_failed_build_leaves_nothing(tmp_path: Path, fake_packages: list[str]) -> None:

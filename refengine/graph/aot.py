@@ -23,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import inspect
 import json
 import os
 import sys
@@ -91,10 +92,29 @@ def signature(inputs: Sequence[torch.Tensor], free: Sequence[Dims | None] = ()) 
 
 
 @functools.cache
-def code_digest() -> str:
+def sources_digest() -> str:
+    """The engine's forward code, file by file."""
     h = hashlib.sha256()
     for rel in _FORWARD_SOURCES:
         h.update((_REFENGINE / rel).read_bytes())
+    return h.hexdigest()
+
+
+@functools.cache
+def _class_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):  # defined where no source is kept: its name must do
+        return ""
+
+
+def code_digest(module: torch.nn.Module) -> str:
+    """The code a package of ``module`` is made of: the engine's forward sources, and the name
+    and source of every module class it holds, so a subclass that changes a forward (a
+    backend's own model, a mutant) gets packages of its own, never the base class's."""
+    h = hashlib.sha256(sources_digest().encode())
+    for cls in sorted({type(m) for m in module.modules()}, key=lambda c: c.__qualname__):
+        h.update(f"{cls.__module__}.{cls.__qualname__}\n{_class_source(cls)}".encode())
     return h.hexdigest()
 
 
@@ -232,11 +252,12 @@ class AotPackages:
     directly, with no tracing, guards or Python wrapper around the compiled code."""
 
     def __init__(self, weights: torch.nn.Module, cache: PackageCache | None = None) -> None:
-        """``weights``: a module holding every tensor the packages fold in (its digest is
-        part of every key)."""
+        """``weights``: the module a build exports, holding every tensor the packages fold in
+        (the digests of its tensors and of its classes' code are part of every key)."""
         self.weights_of, self.cache = weights, cache or PackageCache()
         self._loaded: dict[Hashable, Any] = {}
         self._weights: str | None = None
+        self._code = ""
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._loaded
@@ -245,10 +266,11 @@ class AotPackages:
                      free: Sequence[Dims | None]) -> ArtefactKey:
         if self._weights is None:  # hashing the weights is the slow part: once per instance
             self._weights = weights_digest(self.weights_of)
+            self._code = code_digest(self.weights_of)
         return ArtefactKey(label, self._weights, signature(inputs, free),
                            json.dumps(FROZEN_WEIGHTS, sort_keys=True), torch.__version__,
                            torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
-                           code_digest())
+                           self._code)
 
     def load(self, key: Hashable, label: str, module: Callable[[], torch.nn.Module],
              inputs: Sequence[torch.Tensor], free: Sequence[Dims | None] = ()) -> None:
