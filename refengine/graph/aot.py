@@ -316,7 +316,8 @@ class AotExecutor:
 
     def prepare(self, key: GraphKey, views: StagedViews) -> None:
         pool, table = open_limits()
-        self.packages.load(key, f"{key.kind}-b{key.bucket}-kv{key.max_kv}",
+        tokens = f"-n{views.q}" if views.q > 1 else ""  # a verify key's tokens per request
+        self.packages.load(key, f"{key.kind}{tokens}-b{key.bucket}-kv{key.max_kv}",
                            lambda: _KeyForward(self.model, key.max_kv), self._inputs(views),
                            [pool, pool, *[None] * 6, table])
 
