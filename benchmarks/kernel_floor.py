@@ -44,7 +44,7 @@ from conformance.run.specs import SPECS
 PROMPTS, NEW_TOKENS = 8, 64
 # Name fragments of the calls counted as kernels (pstats keys: file, line, function).
 KERNELS = {"compiled entry points": "inductor_entry_cpp",
-           "packages (aot)": "AOTIModelPackageLoader",
+           "packages (aot)": "_aoti.run",
            "KV writes (called by them)": "_write_kv",
            "eager linear": "torch._C._nn.linear",
            "eager attention": "scaled_dot_product_attention"}
