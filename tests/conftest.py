@@ -21,6 +21,15 @@ RANDOM_VOCAB = 2048
 RANDOM_CONTEXT = 512
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_package_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The tests' compiled packages (the "aot" executor, and the commands they run in
+    subprocesses) go to a directory of the session's, never the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECGATE_CACHE_DIR", str(tmp_path_factory.mktemp("specgate-cache")))
+        yield
+
+
 def build_random_model(out: Path, layers: int = 2, seed: int = 0) -> Path:
     """Write a random Llama (seeded, so every session builds the same weights) to ``out``."""
     from transformers import LlamaConfig, LlamaForCausalLM

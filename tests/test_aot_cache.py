@@ -18,6 +18,7 @@ import torch
 from conformance.cli import main
 from refengine.graph import aot
 from refengine.graph.aot import (
+    AotPackages,
     ArtefactKey,
     PackageCache,
     cache_dir,
@@ -123,6 +124,27 @@ def test_a_subclass_that_changes_a_forward_has_packages_of_its_own() -> None:
 
     assert code_digest(holding(PlusOne())) == code_digest(holding(PlusOne()))
     assert code_digest(holding(PlusOne())) != code_digest(holding(PlusTwo()))
+
+
+def test_an_interrupt_inside_a_package_call_stays_an_interrupt() -> None:
+    """Ctrl-C landing in the KV write a package calls back comes out of the package's C++ as
+    a RuntimeError; the caller gets the KeyboardInterrupt (exit 130, not a failed check)."""
+    raised: list[Exception] = [RuntimeError("KeyboardInterrupt: <EMPTY MESSAGE>"),
+                               RuntimeError("shape mismatch")]
+
+    class Runner:
+        def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+            raise raised.pop(0)
+
+    class Package:
+        loader = Runner()
+
+    packages = AotPackages(torch.nn.Module(), PackageCache(progress=None))
+    packages._loaded["key"] = Package()
+    with pytest.raises(KeyboardInterrupt):
+        packages.run("key", [])
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        packages.run("key", [])
 
 
 def test_a_failed_build_leaves_nothing(tmp_path: Path, fake_packages: list[str]) -> None:

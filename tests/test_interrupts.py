@@ -134,7 +134,7 @@ def test_mutants_reports_nothing_for_the_interrupted_mutant(random_model_dir: Pa
 @pytest.mark.parametrize("argv, ready", [
     (["golden", "check", "--spec", "eagle"], "[1/6] chain-s3-n4"),  # 2 configs x 3 traces
     (["bench", "--backends", "refengine", "--batch-sizes", "1", "--max-new-tokens", "48",
-      "--min-requests", "64"], "[1/1] batch 1"),
+      "--min-requests", "64", "--graphs", "none"], "[1/1] batch 1"),
 ], ids=["golden", "bench"])
 def test_golden_and_bench_stop_with_one_line(argv: list[str], ready: str,
                                              tmp_path: Path) -> None:

@@ -46,10 +46,11 @@ from refengine.model.llama import ForwardOutput, LlamaForCausalLM, Rotary
 CACHE_ENV = "SPECGATE_CACHE_DIR"
 _REFENGINE = Path(__file__).resolve().parents[1]
 # The code a compiled forward is made of: a change in any of these changes every artefact.
+# Not this file: its cache and loader are not in a package, and the export wrappers it defines
+# are in the digest as classes (``code_digest``), so fixing the loader keeps the packages.
 _FORWARD_SOURCES = ("model/llama.py", "model/attention.py", "model/eagle.py",
                     "model/frozen_kv_mtp.py", "graph/executors.py", "graph/staging.py",
-                    "graph/compile.py", "graph/aot.py", "graph/draft_loop.py",
-                    "speculative/draft_search.py")
+                    "graph/compile.py", "graph/draft_loop.py", "speculative/draft_search.py")
 
 
 def cache_dir() -> Path:
@@ -294,8 +295,15 @@ class AotPackages:
                                                      build)
 
     def run(self, key: Hashable, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        with torch.inference_mode():
-            return self._loaded[key].loader.run(list(inputs))
+        try:
+            with torch.inference_mode():
+                return self._loaded[key].loader.run(list(inputs))
+        except RuntimeError as err:
+            # A Ctrl-C met in Python code the package calls back (the KV write) leaves its
+            # C++ as a RuntimeError naming it: raise it as the interrupt it is.
+            if str(err).startswith("KeyboardInterrupt"):
+                raise KeyboardInterrupt from err
+            raise
 
 
 class AotExecutor:
