@@ -36,7 +36,7 @@ KEY = ArtefactKey("decode-b1-kv256", "w" * 64, "torch.int64[1]@cpu", "{}", "2.13
 
 @pytest.fixture
 def fake_packages(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """``aoti_load_package`` that loads a file holding b"package" and fails on anything else,
+    """``open_package`` that loads a file holding b"package" and fails on anything else,
     as the real one fails on a truncated or corrupt package; -> the paths it loaded."""
     loaded: list[str] = []
 
@@ -46,7 +46,7 @@ def fake_packages(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         loaded.append(path)
         return path
 
-    monkeypatch.setattr(torch._inductor, "aoti_load_package", load)
+    monkeypatch.setattr(aot, "open_package", load)
     monkeypatch.setattr(aot, "_LOADED", {})  # this test's process has loaded nothing yet
     return loaded
 
@@ -136,11 +136,8 @@ def test_an_interrupt_inside_a_package_call_stays_an_interrupt() -> None:
         def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
             raise raised.pop(0)
 
-    class Package:
-        loader = Runner()
-
     packages = AotPackages(torch.nn.Module(), PackageCache(progress=None))
-    packages._loaded["key"] = Package()
+    packages._loaded["key"] = Runner()
     with pytest.raises(KeyboardInterrupt):
         packages.run("key", [])
     with pytest.raises(RuntimeError, match="shape mismatch"):
