@@ -84,12 +84,19 @@ def open_limits() -> tuple[Dims, Dims]:
 
 def signature(inputs: Sequence[torch.Tensor], free: Sequence[Dims | None] = ()) -> str:
     """Every input's dtype, shape (a free dimension by its name) and device: a package runs
-    on exactly these."""
-    def dims(i: int, t: torch.Tensor) -> list[int | str]:
-        names = (free[i] if i < len(free) else None) or {}
+    on exactly these. ``free``: per input, its free dimensions (missing at the end: none)."""
+    def dims(t: torch.Tensor, names: Dims | None) -> list[int | str]:
+        names = names or {}
         return [names[d].__name__ if d in names else n for d, n in enumerate(t.shape)]
 
-    return ";".join(f"{t.dtype}{dims(i, t)}@{t.device}" for i, t in enumerate(inputs))
+    return ";".join(f"{t.dtype}{dims(t, names)}@{t.device}"
+                    for t, names in zip(inputs, per_input(inputs, free), strict=True))
+
+
+def per_input(inputs: Sequence[torch.Tensor], free: Sequence[Dims | None]
+              ) -> tuple[Dims | None, ...]:
+    """``free`` with an entry for every input (missing ones at the end: no free dimension)."""
+    return tuple(free) + (None,) * (len(inputs) - len(free))
 
 
 @functools.cache
@@ -268,21 +275,22 @@ class AotPackages:
         (the digests of its tensors and of its classes' code are part of every key)."""
         self.weights_of, self.cache = weights, cache or PackageCache()
         self._loaded: dict[Hashable, Any] = {}
-        self._weights: str | None = None
-        self._code = ""
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._loaded
 
+    @functools.cached_property
+    def _digests(self) -> tuple[str, str]:
+        """(weights, code): hashing the weights is slow, so once per instance."""
+        return weights_digest(self.weights_of), code_digest(self.weights_of)
+
     def artefact_key(self, label: str, inputs: Sequence[torch.Tensor],
                      free: Sequence[Dims | None]) -> ArtefactKey:
-        if self._weights is None:  # hashing the weights is the slow part: once per instance
-            self._weights = weights_digest(self.weights_of)
-            self._code = code_digest(self.weights_of)
-        return ArtefactKey(label, self._weights, signature(inputs, free),
+        weights, code = self._digests
+        return ArtefactKey(label, weights, signature(inputs, free),
                            json.dumps(FROZEN_WEIGHTS, sort_keys=True), torch.__version__,
                            torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
-                           self._code)
+                           code)
 
     def load(self, key: Hashable, label: str, module: Callable[[], torch.nn.Module],
              inputs: Sequence[torch.Tensor], free: Sequence[Dims | None] = ()) -> None:
@@ -290,20 +298,19 @@ class AotPackages:
         takes ``*inputs``), ``free`` the dimensions of each input the package leaves free."""
         if key in self._loaded:
             return
+        free = per_input(inputs, free)
 
         def build(path: Path) -> None:
-            per_input = tuple((free[i] if i < len(free) else None) or None
-                              for i in range(len(inputs)))
             with torch.no_grad():  # one entry per parameter, and ``*inputs`` is one
                 program = torch.export.export(module().eval(), tuple(inputs), strict=False,
-                                              dynamic_shapes=(per_input,))
+                                              dynamic_shapes=(free,))
             with warnings.catch_warnings():  # torch's own pytree deprecation, once per build
                 warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
                 torch._inductor.aoti_compile_and_package(program, package_path=str(path),
                                                          inductor_configs=dict(FROZEN_WEIGHTS))
 
-        self._loaded[key] = self.cache.load_or_build(self.artefact_key(label, inputs, free),
-                                                     build)
+        self._loaded[key] = self.cache.load_or_build(
+            self.artefact_key(label, inputs, free), build)
 
     def run(self, key: Hashable, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         try:
