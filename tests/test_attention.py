@@ -1,6 +1,7 @@
 """``paged_attention`` against a plain per-request causal attention, for uniform batches (the
-unpadded fast path: decode, verify, draft steps) and ragged ones (padded queries), and the
-visibility rule every metadata comes from."""
+unpadded fast path: decode, verify, draft steps) and ragged ones (request by request, the CPU's
+route, and padded into one block, a GPU's), and the visibility rule every metadata comes
+from."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refengine.model.attention import AttentionMetadata, paged_attention, visible_keys
+from refengine.model.attention import (
+    AttentionMetadata,
+    padded_attention,
+    paged_attention,
+    visible_keys,
+)
 
 HEADS, KV_HEADS, DIM, SLOTS = 4, 2, 8, 256
 
@@ -43,13 +49,16 @@ def test_matches_per_request_attention(shape: list[tuple[int, int]], uniform: bo
     q = torch.randn(sum(extend), HEADS, DIM, generator=gen)
     meta = AttentionMetadata.build(table, torch.arange(len(shape)), extend, seq)
     assert (meta.ragged is None) == (len(set(extend)) == 1)
-    out = paged_attention(q, k_cache, v_cache, meta, DIM ** -0.5)
-    start = 0
-    for row, (prefix, n) in enumerate(shape):
-        slots = table[row, : prefix + n]
-        want = naive(q[start:start + n], k_cache[slots], v_cache[slots], prefix)
-        torch.testing.assert_close(out[start:start + n], want)
-        start += n
+    routes = [paged_attention(q, k_cache, v_cache, meta, DIM ** -0.5)]
+    if meta.ragged is not None:  # the GPU's route for a ragged batch, checked here on the CPU
+        routes.append(padded_attention(q, k_cache, v_cache, meta, DIM ** -0.5))
+    for out in routes:
+        start = 0
+        for row, (prefix, n) in enumerate(shape):
+            slots = table[row, : prefix + n]
+            want = naive(q[start:start + n], k_cache[slots], v_cache[slots], prefix)
+            torch.testing.assert_close(out[start:start + n], want)
+            start += n
 
 
 @settings(max_examples=40, deadline=None)

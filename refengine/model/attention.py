@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache, in torch (the CPU path).
+"""Attention over the paged KV cache, in torch.
 
 One metadata serves prefill with a cached prefix (extend), decode, and tree verify: each
 request's keys are gathered through its ``req_to_token`` row, and a boolean mask says which key
@@ -6,9 +6,11 @@ positions each query may see (``visible_keys``, the one rule, which the graphs u
 default that is causal over absolute positions; a request may instead carry a custom mask over
 its new tokens (the tree mask of EAGLE verify), with the whole cached prefix visible. When
 every request brings the same number of new tokens (decode, verify, draft steps) attention runs
-once over the ``[batch, max_q, max_kv]`` block; when they differ (a batch of prefills) it runs
-request by request (``ragged_attention``), since padding every prompt to the longest one's
-square costs far more than the loop.
+once over the ``[batch, max_q, max_kv]`` block; when they differ (a batch of prefills) the
+device decides: on the CPU it runs request by request (``ragged_attention``), since padding
+every prompt to the longest one's square costs far more compute than the loop; on a GPU it
+pads the queries into that block (``padded_attention``), since there the loop's launches per
+request and layer cost far more than the padding's idle lanes.
 """
 
 from __future__ import annotations
@@ -135,11 +137,31 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return torch.cat(outs)
 
 
+def padded_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """``paged_attention`` of a ragged batch in one launch: the flat queries scattered into the
+    mask's ``[batch * max_q]`` rows, attention over the whole block, the real rows picked back.
+    A padded row sees at least its request's first key (the rule always shows column 0), so it
+    never turns into NaN, and it is dropped."""
+    assert meta.unpad_index is not None
+    batch, _, max_q, _ = meta.mask.shape
+    rows = q.new_zeros(batch * max_q, *q.shape[1:]).index_copy_(0, meta.unpad_index, q)
+    return block_attention(rows, k_cache, v_cache, meta, scale).index_select(0, meta.unpad_index)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [tokens, heads, dim]; caches: [slots, kv_heads, dim] -> [tokens, heads, dim]."""
-    if meta.ragged is not None:
+    if meta.ragged is None:
+        return block_attention(q, k_cache, v_cache, meta, scale)
+    if q.device.type == "cpu":
         return ragged_attention(q, k_cache, v_cache, meta, scale)
+    return padded_attention(q, k_cache, v_cache, meta, scale)
+
+
+def block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention over the ``[batch, max_q, max_kv]`` block, q: [batch * max_q, heads, dim]."""
     _, heads, dim = q.shape
     batch, _, max_q, _ = meta.mask.shape
     q_pad = q.view(batch, max_q, heads, dim).transpose(1, 2)         # [B, H, max_q, D]
