@@ -24,10 +24,12 @@ from refengine.graph.aot import (
     cache_dir,
     code_digest,
     open_limits,
+    package_settings,
     register_tables,
     signature,
     weights_digest,
 )
+from refengine.graph.compile import FROZEN_WEIGHTS
 from refengine.model.llama import Rotary
 
 KEY = ArtefactKey("decode-b1-kv256", "w" * 64, "torch.int64[1]@cpu", "{}", "2.13.0", "AVX2", 2,
@@ -104,6 +106,19 @@ def test_what_a_package_runs_on_is_part_of_its_key() -> None:
         register_tables(holder, Rotary(8, 16, theta))
         digests.add(weights_digest(holder))
     assert len(digests) == 2
+
+
+def test_the_gemm_kernels_follow_the_rows_a_key_multiplies() -> None:
+    """Few rows: the frozen executor's C++ GEMM templates; from ``MANY_ROWS`` on: ATen's GEMM,
+    weights folded in either way. The choice is part of the artefact's name, so a package
+    built one way is never loaded for the other."""
+    few, many = package_settings(aot.MANY_ROWS - 1), package_settings(aot.MANY_ROWS)
+    assert few == FROZEN_WEIGHTS
+    assert many["freezing"] and "max_autotune_gemm_backends" not in many
+    packages = AotPackages(torch.nn.Module(), PackageCache(progress=None))
+    names = {packages.artefact_key("verify-b8", [torch.zeros(2)], [None], rows).file_name()
+             for rows in (1, aot.MANY_ROWS - 1, aot.MANY_ROWS, 640)}
+    assert len(names) == 2
 
 
 class PlusOne(torch.nn.Module):

@@ -1,9 +1,10 @@
 """Persistent compiled keys: the "aot" executor exports each key's forward (the target's
 decode and verify, the draft loops) once per machine, compiles it ahead of time into an
-AOTInductor package (weights folded in, the frozen executor's settings) and stores it in a
-cache directory; later processes load the package (a fraction of a second) and call it
-without Dynamo's tracing, guards or wrappers. Each build says which key it compiles and how
-long it took (minutes in all, the first time a lane runs on a machine).
+AOTInductor package (weights folded in; GEMM kernels by the rows the key multiplies,
+``package_settings``) and stores it in a cache directory; later processes load the package (a
+fraction of a second) and call it without Dynamo's tracing, guards or wrappers. Each build
+says which key it compiles and how long it took (minutes in all, the first time a lane runs on
+a machine).
 
 An artefact's name is a digest of everything that changes it (``ArtefactKey``): the weights,
 the key's constants and input shapes, the compile settings, torch's version, the CPU's
@@ -44,6 +45,12 @@ from refengine.memory.kv_pool import KVPool
 from refengine.model.llama import ForwardOutput, LlamaForCausalLM, Rotary
 
 CACHE_ENV = "SPECGATE_CACHE_DIR"
+# A package's GEMMs: inductor's C++ templates (``FROZEN_WEIGHTS``) beat ATen's GEMM on the same
+# packed weights when a forward has few rows, and lose to it by far when it has many (a verify
+# key of a large bucket): a key whose forwards multiply at least this many rows gets ATen's.
+# The crossover was measured on this project's CPU (docs/measurements.md).
+MANY_ROWS = 32
+_ATEN_GEMMS = {"freezing": True}
 _REFENGINE = Path(__file__).resolve().parents[1]
 # The code a compiled forward is made of: a change in any of these changes every artefact.
 # Not this file: its cache and loader are not in a package, and the export wrappers it defines
@@ -51,6 +58,13 @@ _REFENGINE = Path(__file__).resolve().parents[1]
 _FORWARD_SOURCES = ("model/llama.py", "model/attention.py", "model/eagle.py",
                     "model/frozen_kv_mtp.py", "graph/executors.py", "graph/staging.py",
                     "graph/compile.py", "graph/draft_loop.py", "speculative/draft_search.py")
+
+
+def package_settings(rows: int) -> dict[str, Any]:
+    """Inductor's settings for a key whose forwards multiply ``rows`` rows per GEMM (requests
+    times tokens per request): weights folded in either way, the GEMM kernels ``MANY_ROWS``
+    picks."""
+    return dict(FROZEN_WEIGHTS if rows < MANY_ROWS else _ATEN_GEMMS)
 
 
 def cache_dir() -> Path:
@@ -285,20 +299,23 @@ class AotPackages:
         return weights_digest(self.weights_of), code_digest(self.weights_of)
 
     def artefact_key(self, label: str, inputs: Sequence[torch.Tensor],
-                     free: Sequence[Dims | None]) -> ArtefactKey:
+                     free: Sequence[Dims | None], rows: int) -> ArtefactKey:
         weights, code = self._digests
         return ArtefactKey(label, weights, signature(inputs, free),
-                           json.dumps(FROZEN_WEIGHTS, sort_keys=True), torch.__version__,
+                           json.dumps(package_settings(rows), sort_keys=True), torch.__version__,
                            torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
                            code)
 
     def load(self, key: Hashable, label: str, module: Callable[[], torch.nn.Module],
-             inputs: Sequence[torch.Tensor], free: Sequence[Dims | None] = ()) -> None:
+             inputs: Sequence[torch.Tensor], rows: int, free: Sequence[Dims | None] = ()
+             ) -> None:
         """Have ``key``'s package loaded; ``module()`` makes what a build exports (its forward
-        takes ``*inputs``), ``free`` the dimensions of each input the package leaves free."""
+        takes ``*inputs``), ``rows`` the rows its forwards multiply (``package_settings``),
+        ``free`` the dimensions of each input the package leaves free."""
         if key in self._loaded:
             return
         free = per_input(inputs, free)
+        artefact = self.artefact_key(label, inputs, free, rows)
 
         def build(path: Path) -> None:
             with torch.no_grad():  # one entry per parameter, and ``*inputs`` is one
@@ -307,10 +324,9 @@ class AotPackages:
             with warnings.catch_warnings():  # torch's own pytree deprecation, once per build
                 warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
                 torch._inductor.aoti_compile_and_package(program, package_path=str(path),
-                                                         inductor_configs=dict(FROZEN_WEIGHTS))
+                                                         inductor_configs=package_settings(rows))
 
-        self._loaded[key] = self.cache.load_or_build(
-            self.artefact_key(label, inputs, free), build)
+        self._loaded[key] = self.cache.load_or_build(artefact, build)
 
     def run(self, key: Hashable, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         try:
@@ -345,7 +361,7 @@ class AotExecutor:
         tokens = f"-n{views.q}" if views.q > 1 else ""  # a verify key's tokens per request
         self.packages.load(key, f"{key.kind}{tokens}-b{key.bucket}-kv{key.max_kv}",
                            lambda: _KeyForward(self.model, key.max_kv), self._inputs(views),
-                           [pool, pool, *[None] * 6, table])
+                           key.bucket * views.q, [pool, pool, *[None] * 6, table])
 
     def run(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
         self.prepare(key, views)

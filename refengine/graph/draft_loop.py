@@ -264,6 +264,9 @@ class DraftLoopGraph:
                              f"got {executor!r}")
         self.draft, self.pool, self.table = draft, pool, table
         self.topk, self.steps = topk, steps
+        # What one forward of the step multiplies per request: a draft step's top-k beams, or
+        # the extend's rows.
+        self.rows_per_request = extend_rows or topk
         self.sizes, self.kv_sizes = list(sizes), list(kv_sizes)
         self.executor = executor
         eagle = isinstance(draft, EagleDraftModel)
@@ -366,7 +369,8 @@ class DraftLoopGraph:
                         if self.kind == "extend:eagle" else ""))
             pool, table = open_limits()
             self.packages.load(key, f"{self.kind.replace(':', '-')}-{shape}-b{key[0]}-kv{key[1]}",
-                               lambda: _LoopForward(self, key[1]), inputs, [pool, pool, table])
+                               lambda: _LoopForward(self, key[1]), inputs,
+                               key[0] * self.rows_per_request, [pool, pool, table])
         return _unflatten(self.packages.run(key, inputs))
 
 
