@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 
 from conformance.backends.refengine import RefEngineBackend
-from conformance.contract import Capabilities
+from conformance.backends.refengine.adapter import RefEngineHandle
+from conformance.contract import Capabilities, OpenConfig
+from conformance.report.certificate import build_certificate, render_markdown
 from conformance.run.registry import BackendError, load_backend
 
 pytest_plugins = ["pytester"]
@@ -30,6 +33,20 @@ class RunToCompletionOnly(RefEngineBackend):
 
     def capabilities(self) -> Capabilities:
         return Capabilities(algorithms=frozenset({"none"}))
+
+
+class SaysWhatItBuilds(RunToCompletionOnly):
+    """Writes a progress line (and a line that is not one) to stderr on every open, as the
+    reference engine does when it compiles a graph key."""
+
+    def open(self, cfg: OpenConfig) -> RefEngineHandle:
+        print("specgate: compiled decode-b1-kv256 in 1.5 s", file=sys.stderr)
+        print("some other noise", file=sys.stderr)
+        return super().open(cfg)
+
+
+def says_what_it_builds() -> SaysWhatItBuilds:
+    return SaysWhatItBuilds()
 
 
 def claims_nothing() -> ClaimsNothingUseful:
@@ -95,6 +112,24 @@ def test_gating_marks_unclaimed_checks(pytester: pytest.Pytester,
     assert outcomes["test_invariants_under_pressure[plain-1]"] == "not claimed"
     assert outcomes["test_max_new_tokens[1]"] == "passed"
     assert res.ret == pytest.ExitCode.OK
+
+
+def test_the_backends_progress_lines_reach_the_results_and_the_certificate(
+        pytester: pytest.Pytester, random_model_dir: Path) -> None:
+    """pytest captures what a check writes, so without the relay a key compiled during a run
+    (minutes, the first time) would go unseen: each check's row carries the backend's progress
+    lines (only those), and report.md lists them by check."""
+    (pytester.path / "none.ini").write_text("[pytest]\n")
+    res, results = run_suite(pytester, "tests.test_plugin:says_what_it_builds",
+                             random_model_dir, "-k", "test_max_new_tokens")
+    assert res.ret == pytest.ExitCode.OK
+    ran = [c for c in results["checks"] if c["outcome"] == "passed"]
+    assert ran and all(c["progress"] and set(c["progress"])
+                       == {"specgate: compiled decode-b1-kv256 in 1.5 s"} for c in ran)
+    markdown = render_markdown(build_certificate(results))
+    section = markdown.split("## Backend progress", 1)[1].split("\n## ", 1)[0]
+    assert f"- specgate: compiled decode-b1-kv256 in 1.5 s (`{ran[0]['nodeid']}`)" in section
+    assert "noise" not in section
 
 
 def test_registry_errors_name_the_problem() -> None:

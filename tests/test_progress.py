@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from conformance.report.progress import Steps, TierProgress, tier_of
+from conformance.report.progress import Steps, TierProgress, backend_progress, tier_of
 
 SUITES = Path(__file__).resolve().parents[1] / "conformance" / "suites"
 
@@ -52,8 +52,10 @@ def test_steps_leave_one_line_per_item_off_a_terminal() -> None:
     assert lines[4].startswith("[2/2] chain-s5-n6: DIFFERS (")
 
 
-def _report(nodeid: str, when: str, outcome: str) -> SimpleNamespace:
-    return SimpleNamespace(nodeid=nodeid, when=when, failed=outcome == "failed")
+def _report(nodeid: str, when: str, outcome: str, progress: tuple[str, ...] = ()
+            ) -> SimpleNamespace:
+    return SimpleNamespace(nodeid=nodeid, when=when, failed=outcome == "failed",
+                           user_properties=[("specgate_progress", list(progress))])
 
 
 def test_tier_progress_counts_checks_and_failures_per_tier() -> None:
@@ -82,3 +84,20 @@ def test_a_check_whose_worker_died_is_done() -> None:
     progress.pytest_runtest_logreport(_report("test_lossless.py::c", "???", "failed"))  # xdist's
     progress.pytest_sessionfinish()
     assert "lossless: 1/1 checks, 1 failed" in buffer.getvalue()
+
+
+def test_the_backends_progress_lines_are_shown_as_each_check_ends() -> None:
+    """Only ``specgate: `` lines of the captured stderr are the backend's progress; the tier
+    progress prints them when the check they came from ends."""
+    assert backend_progress("noise\nspecgate: compiled verify-n4-b8-kv256 in 20.1 s (1 this "
+                            "run, 20 s in all)\n  specgate: indented\n") == [
+        "specgate: compiled verify-n4-b8-kv256 in 20.1 s (1 this run, 20 s in all)"]
+    console, buffer = plain_console()
+    progress = TierProgress(console)
+    progress.pytest_xdist_node_collection_finished(None, ["test_golden.py::a"])
+    line = "specgate: compiled decode-b1-kv256 in 1.5 s"
+    progress.pytest_runtest_logreport(_report("test_golden.py::a", "call", "passed", (line,)))
+    assert line not in buffer.getvalue()  # not before the check has ended
+    progress.pytest_runtest_logreport(_report("test_golden.py::a", "teardown", "passed", (line,)))
+    progress.pytest_sessionfinish()
+    assert f"    {line}" in buffer.getvalue()

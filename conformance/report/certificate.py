@@ -326,6 +326,20 @@ def self_check_lines(self_checks: list[dict[str, str]]) -> list[str]:
     return [*out, ""]
 
 
+def backend_progress_lines(checks: list[dict[str, object]]) -> list[str]:
+    """The "Backend progress" section of report.md: the progress lines the backend wrote
+    during the checks (``conformance.report.progress.BACKEND_PROGRESS``), by check; nothing
+    when it wrote none."""
+    said = [(str(c["nodeid"]), str(line)) for c in sorted(checks, key=lambda c: str(c["nodeid"]))
+            for line in c.get("progress") or []]  # type: ignore[attr-defined]
+    if not said:
+        return []
+    return ["## Backend progress", "",
+            "What the backend said of its own work during the checks (such as compiling a "
+            "graph key, once per machine), by the check it happened in:", "",
+            *(f"- {line} (`{nodeid}`)" for nodeid, line in said), ""]
+
+
 def render_markdown(cert: Certificate, where: Path = Path(".")) -> str:
     """report.md; ``where``: the certificate directory as the user named it (replay commands
     name their repro files under it)."""
@@ -366,6 +380,7 @@ def render_markdown(cert: Certificate, where: Path = Path(".")) -> str:
     out += known_lines(cert.known_failures)
     out += acceptance_lines(cert)
     out += figures_lines(cert.checks)
+    out += backend_progress_lines(cert.checks)
     out += ["## Environment", ""] + [f"- {k}: {'none' if v is None else v}"
                                      for k, v in cert.environment.items()]
     return "\n".join(out) + "\n"

@@ -6,7 +6,8 @@ progress per tier (checks done of total, failures, elapsed time) while ``specgat
 
 On a terminal the bars redraw in place. Anywhere else (a CI log, a pipe) nothing redraws: each
 item or tier is announced and finished with one plain line, so a log still shows that the run
-is alive and how long each part took.
+is alive and how long each part took. A backend's own progress lines (``BACKEND_PROGRESS``:
+a key it compiles, once per machine) are shown as each check ends.
 """
 
 from __future__ import annotations
@@ -25,6 +26,18 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
+
+# A backend's own progress lines (the reference engine's "specgate: compiled <key> in 21.3 s"):
+# the stderr lines it writes during a check that start with this. pytest captures a check's
+# output (in every process, xdist workers too), so the plugin carries these lines in the
+# check's report to the console and into the certificate.
+BACKEND_PROGRESS = "specgate: "
+
+
+def backend_progress(captured: str) -> list[str]:
+    """The backend's progress lines in a check's captured stderr."""
+    return [line.strip() for line in captured.splitlines()
+            if line.startswith(BACKEND_PROGRESS)]
 
 
 def stderr_console() -> Console:
@@ -131,6 +144,8 @@ class TierProgress:
             self.failed[tier].add(report.nodeid)
         if report.when in ("setup", "call"):
             return  # a check ends at its teardown, or at xdist's report that its worker died
+        for line in dict(report.user_properties).get("specgate_progress", []):
+            self.console.print(f"    {line}", markup=False)
         self.done[tier] += 1
         failed = len(self.failed[tier])
         self.bars.update(self.tasks[tier], advance=1,

@@ -30,7 +30,7 @@ from conformance.checks.oracle import ReferenceOracle
 from conformance.contract import Backend, Capabilities, OpenConfig, SpecConfig, unclaimed_reasons
 from conformance.report.certified import config_record
 from conformance.report.environment import run_environment
-from conformance.report.progress import tier_of
+from conformance.report.progress import backend_progress, tier_of
 from conformance.report.verdict import SELF_CHECK_MARK, vacuous_reason
 from conformance.repro.record import RecordedRuns, write_repro
 from conformance.run.case_timeout import (
@@ -218,9 +218,15 @@ def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
     """A suite check that failed leaves its scenario (``conformance.repro.record``); the
     report's properties say where, so the row in the results (on the xdist controller too)
-    can show the command that replays it."""
+    can show the command that replays it. A check's last report also carries the backend's
+    progress lines (``backend_progress``), which capture would otherwise swallow."""
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
+    if report.when == "teardown" and item.get_closest_marker("specgate_tier"):
+        # what the backend said of its own work, from every phase's captured stderr
+        progress = backend_progress(report.capstderr)
+        if progress:
+            report.user_properties.append(("specgate_progress", progress))
     where = item.config.getoption("--specgate-repro-dir")
     if (not report.failed or report.when == "teardown" or where is None
             or not item.get_closest_marker("specgate_tier")):
@@ -278,6 +284,18 @@ def sg(request: pytest.FixtureRequest) -> SuiteContext:
     """
     torch.set_num_threads(1)
     return context(request.config)
+
+
+def _message(report: pytest.TestReport) -> str:
+    """A check's row message: why it failed, or why it was skipped."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if report.failed and crash is not None:
+        return str(crash.message)[:800]
+    if report.failed:
+        return report.longreprtext.strip()[-800:]
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2])
+    return ""
 
 
 def _outcome(report: pytest.TestReport) -> str:
@@ -354,17 +372,10 @@ class ResultCollector:
         self.properties[report.nodeid] = props
         final = report.when == "call" or (report.when == "setup" and not report.passed) or (
             report.when == "teardown" and report.failed)
-        if not final:
-            return
-        message = ""
-        crash = getattr(report.longrepr, "reprcrash", None)
-        if report.failed and crash is not None:
-            message = crash.message[:800]
-        elif report.failed:
-            message = report.longreprtext.strip()[-800:]
-        elif report.skipped and isinstance(report.longrepr, tuple):
-            message = report.longrepr[2]
-        self._store(report, props, _outcome(report), message)
+        if final:
+            self._store(report, props, _outcome(report), _message(report))
+        if "specgate_progress" in props and report.nodeid in self.rows:  # on its last report
+            self.rows[report.nodeid]["progress"] = list(props["specgate_progress"])  # type: ignore[call-overload]
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if self.watchdog_dir is not None:
