@@ -33,7 +33,7 @@ class EngineConfig:
     # Target decode and verify forwards (and the draft loops) through the graph runner
     # (refengine/graph/): staged on static bucket-padded buffers and run by
     # ``graph_executor``: "cuda" (each key captured as a CUDA graph and replayed; the default
-    # on a CUDA device), "aot" (the frozen settings, compiled once per machine into
+    # on a CUDA device), "aot" (weights folded in, compiled once per machine into
     # AOTInductor packages that later processes load without compiling, called without
     # Dynamo: the fastest on a CPU and the default there; refengine/graph/aot.py),
     # "compiled" (torch.compile per key; first use of a key compiles it, once per machine
