@@ -244,8 +244,8 @@ class DraftLoopGraph:
     (``fullgraph``, static shapes; one code copy per key, as ``CompiledExecutor``); "frozen"
     compiles it with the draft's weights folded in (``FROZEN_WEIGHTS``); "cuda" captures it per
     key as a CUDA graph (``cuda_graph.py``) and copies each replay's outputs out; "aot" calls
-    a persistent package per key, compiled once per machine with the frozen settings
-    (``aot.py``)."""
+    a persistent package per key, compiled once per machine with the draft's weights folded
+    in (``aot.py``, whose ``package_settings`` pick the GEMM kernels by the key's rows)."""
 
     staging_class: type[LoopStaging] = LoopStaging  # the bug zoo swaps in a broken restaging
 
