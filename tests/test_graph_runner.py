@@ -356,3 +356,28 @@ def test_compiled_matches_eager(make_probe: MakeProbe, executor: str) -> None:
             compare_outputs(graph, eager, 1e-5, executor)
             checks.check_state_untouched(probe, graph)
             compare_state(graph, eager.state, "the eager run's", executor)
+
+
+def test_an_aot_key_is_built_for_the_rows_it_multiplies(
+        model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """What ``package_settings`` picks GEMM kernels by: a key's requests times its tokens per
+    request (a verify key of bucket 8 and 4 tokens multiplies 32 rows), not its bucket."""
+    from refengine.graph.aot import AotExecutor, AotPackages, PackageCache
+
+    rows_by_key: dict[str, int] = {}
+
+    def record(self: AotPackages, key: Any, label: str, module: Any, inputs: Any, rows: int,
+               free: Any = ()) -> None:
+        rows_by_key[label.rsplit("-kv", 1)[0]] = rows
+
+    monkeypatch.setattr(AotPackages, "load", record)
+    cfg = model.config
+    kv = KVManager(4096, PAGE, MAX_BS, cfg.max_position_embeddings,
+                   (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim),
+                   torch.float32, "cpu", row_headroom=N)
+    runner = ModelRunner(model, None, kv)
+    executor = AotExecutor(model, kv.target_pool, kv.rows.table, PackageCache(tmp_path))
+    graph = GraphRunner(runner, executor, verify_tokens=N)
+    graph.capture(sizes=[1, 8], kv_sizes=graph.kv_sizes[:1])
+    assert rows_by_key == {"decode-b1": 1, "decode-b8": 8, f"verify-n{N}-b1": N,
+                           f"verify-n{N}-b8": 8 * N}
