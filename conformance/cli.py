@@ -204,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     repro.add_argument("file", help="a repro file (docs/repro.md), e.g. "
                        "<report>/repro/<check-id>.json")
     repro.add_argument("--backend", default=None,
-                       help="as for certify; unset: the backend the file was recorded on")
+                       help="as for certify; unset: the backend the file was recorded on, if "
+                            "specgate knows it by name (a module:factory in a file is never "
+                            "imported)")
     repro.add_argument("--spec", default=None,
                        help=f"{' | '.join(SPECS)}: replay every run under this spec's first "
                             "configuration instead of the recorded one")
@@ -241,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args))
-    except UsageError as err:
-        print(f"specgate: error: {err}", file=sys.stderr)
+    except UsageError as err:  # one line, whatever a bad file put into the message
+        print(f"specgate: error: {' '.join(str(err).splitlines())[:2000]}", file=sys.stderr)
         return USAGE_ERROR
     except Interrupted as err:
         print(f"specgate: interrupted: {err}", file=sys.stderr)

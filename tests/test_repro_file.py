@@ -78,7 +78,8 @@ def _with_action(action: object) -> str:
     (json.dumps({"specgate_repro": 1, "runs": []}), "runs: expected a non-empty list"),
     (json.dumps({"specgate_repro": 1}), "missing field 'runs'"),
     (_with_action({"op": "teleport"}), "runs[0].actions[2]: unknown op 'teleport'"),
-    (_with_action({"op": "step", "times": 0}), "actions[2].times: expected an integer >= 1"),
+    (_with_action({"op": "step", "times": 0}),
+     "actions[2].times: expected an integer from 1 to 100000"),
     (_with_action({"op": "abort"}), "actions[2]: missing field 'rid'"),
     (_with_action({"op": "abort", "rid": "a", "why": "x"}), "unknown field 'why'"),
     (_with_action({"op": "submit", "rid": "b", "prompt_ids": [1, -4]}),
@@ -92,7 +93,7 @@ def _with_action(action: object) -> str:
          "actions": []}]}), "runs[0].config.spec: num_draft_tokens:"),
     (json.dumps({"specgate_repro": 1, "runs": [
         {"config": {"model": "tiny-code", "page_size": -4}, "actions": []}]}),
-     "runs[0].config.page_size: expected an integer >= 0"),
+     "runs[0].config.page_size: expected an integer from 0 to 4096"),
     (json.dumps({"specgate_repro": 1, "runs": [{"config": {}, "actions": []}]}),
      "runs[0].config: missing field 'model'"),
 ])
@@ -122,7 +123,7 @@ def test_repro_refuses_a_missing_file_and_a_bad_emit_name(
     good = tmp_path / "good.json"
     good.write_text(json.dumps(_doc()))
     assert main(["repro", str(good), "--emit-pytest", str(tmp_path / "emitted.py")]) == 2
-    assert "name it test_<something>.py" in capsys.readouterr().err
+    assert "name it test_<letters, digits, _>.py" in capsys.readouterr().err
     assert not (tmp_path / "emitted.py").exists()
 
 

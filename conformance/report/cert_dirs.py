@@ -1,14 +1,24 @@
 """Reading certificate directories back (for ``specgate report``): a single-spec directory
 (report.json, junit.xml, repro/) or a multi-spec one (``<spec>/`` subdirectories of those, and
-summary.md)."""
+summary.md).
+
+Certificates come from other machines (CI shards, a fork's artefacts), so report.json is read
+as untrusted data (``conformance.untrusted``): bounded, its spec one specgate knows (it names
+a directory the merge writes), its checks rows of the fields the readers use.
+"""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from conformance.report.report_dir import REPRO_DIR
+from conformance.run.specs import SPECS
+from conformance.untrusted import MiB, UntrustedFileError, load_json
+
+MAX_REPORT_BYTES = 256 * MiB
+# what every row of report.json's checks must hold, for merge and durations to read it
+ROW_FIELDS = {"nodeid": str, "outcome": str, "duration": (int, float)}
 
 
 @dataclass(frozen=True)
@@ -24,7 +34,8 @@ class SpecFiles:
 
     @property
     def repro_files(self) -> list[Path]:
-        return sorted((self.directory / REPRO_DIR).glob("*.json"))
+        return sorted(p for p in (self.directory / REPRO_DIR).glob("*.json")
+                      if p.is_file() and not p.is_symlink())
 
 
 @dataclass(frozen=True)
@@ -34,15 +45,31 @@ class CertDir:
     specs: dict[str, SpecFiles]     # spec -> its certificate
 
 
+def _problem(report: object) -> str | None:
+    """Why ``report`` is not a certificate's report.json, or None."""
+    if not isinstance(report, dict) or not isinstance(report.get("checks"), list):
+        return "no checks list"
+    if report.get("spec") not in SPECS:
+        return f"spec {report.get('spec')!r:.60} is none of {', '.join(SPECS)}"
+    for i, row in enumerate(report["checks"]):
+        if not isinstance(row, dict):
+            return f"checks[{i}] is not an object"
+        for name, kind in ROW_FIELDS.items():
+            if not isinstance(row.get(name), kind) or isinstance(row.get(name), bool):
+                return f"checks[{i}].{name} is missing or not a {name} value"
+    return None
+
+
 def _load(directory: Path) -> SpecFiles:
     path = directory / "report.json"
     try:
-        report = json.loads(path.read_text())
-        if not isinstance(report, dict) or not isinstance(report.get("checks"), list):
-            raise ValueError("no checks list")
-        str(report["spec"])
-    except (OSError, ValueError, KeyError) as err:
-        raise ValueError(f"{path}: not a specgate certificate ({err})") from None
+        report = load_json(path, str(path), MAX_REPORT_BYTES)
+    except UntrustedFileError as err:
+        raise ValueError(f"not a specgate certificate: {err}") from None
+    problem = _problem(report)
+    if problem:
+        raise ValueError(f"{path}: not a specgate certificate ({problem})")
+    assert isinstance(report, dict)
     return SpecFiles(directory, report)
 
 

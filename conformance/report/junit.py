@@ -10,7 +10,10 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from conformance.untrusted import MAX_DEPTH, MiB, UntrustedFileError, read_text
+
 _VERDICTS = ("failure", "error", "skipped")
+MAX_JUNIT_BYTES = 256 * MiB
 
 
 def testcase_id(case: ET.Element) -> str:
@@ -51,12 +54,34 @@ def mark_known(path: Path, reasons: dict[str, str]) -> None:
     _write(tree, path)
 
 
+def read_junit(path: Path) -> ET.Element:
+    """A shard's junit.xml (from another machine) as untrusted data: bounded in size and depth
+    (writing it back out recurses), its times numbers; UntrustedFileError (one line) if not."""
+    where = str(path)
+    try:
+        root = ET.fromstring(read_text(path, where, MAX_JUNIT_BYTES))
+    except ET.ParseError as err:
+        raise UntrustedFileError(f"{where}: not XML ({err})") from None
+    stack = [(root, 0)]
+    while stack:
+        element, depth = stack.pop()
+        if depth >= MAX_DEPTH:
+            raise UntrustedFileError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+        if element.tag == "testcase":
+            try:
+                float(element.get("time", 0))
+            except ValueError:
+                raise UntrustedFileError(f"{where}: a testcase time is not a number") from None
+        stack.extend((child, depth + 1) for child in element)
+    return root
+
+
 def merge_junit(paths: list[Path], out: Path) -> None:
     """One junit.xml with every shard's testcases in one testsuite (counts recomputed)."""
     root = ET.Element("testsuites", name="specgate")
     merged: ET.Element | None = None
     for path in paths:
-        for suite in ET.parse(path).getroot().iter("testsuite"):
+        for suite in read_junit(path).iter("testsuite"):
             if merged is None:
                 merged = ET.SubElement(root, "testsuite", dict(suite.attrib))
                 merged.extend(suite.findall("properties"))

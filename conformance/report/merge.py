@@ -8,7 +8,10 @@ layout and shard count, each shard exactly once, and no check in two shards; any
 refused before anything is written. The merged certificate is built from the shards' checks as
 certify builds one (a vacuous merge fails as a vacuous run does); known failures carry over, and
 an id is unknown only if no shard had it. As in certify, a spec in which the selection names no
-check in any shard gets no certificate.
+check in any shard gets no certificate. Shards come from other machines: their files are read
+as untrusted data (``cert_dirs``, ``junit.read_junit``), a spec name becomes a directory only
+inside ``--out`` (``untrusted.contained``), and a shard whose report.json lacks what the
+certificate is built from is refused with one line, before anything is written.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from conformance.report.cert_dirs import CertDir, SpecFiles, read_cert_dir
 from conformance.report.verdict import vacuous_reason
 from conformance.run.specs import SPECS
 from conformance.run.usage import UsageError
+from conformance.untrusted import UntrustedFileError, contained
 
 # what every shard of one run records alike
 SAME = (("specgate_version", "specgate versions"), ("backend", "backends"),
@@ -164,10 +168,15 @@ def cmd_merge(args: argparse.Namespace) -> int:
                 print(f"specgate report merge: spec {group.spec}: no check matches "
                       f"{first['selection']}", file=sys.stderr)
                 continue
-            out_dir = target.staging / group.spec if multi else target.staging
+            out_dir = contained(target.staging, group.spec) if multi else target.staging
             shown = target.target / out_dir.relative_to(target.staging)
-            cert = build_certificate(merged_results(group))
-            cert.environment = dict(group.files[0].report["environment"])  # type: ignore[arg-type]
+            try:
+                cert = build_certificate(merged_results(group))
+                cert.environment = dict(group.files[0].report["environment"])  # type: ignore[arg-type]
+            except (KeyError, TypeError, ValueError, AttributeError) as err:
+                raise UsageError(f"spec {group.spec}: the shards' report.json lack what a "
+                                 f"certificate is built from ({type(err).__name__}: "
+                                 f"{' '.join(str(err).split())[:200]})") from None
             write_reports(cert, out_dir, shown)
             merge_junit([f.junit for f in group.files if f.junit.exists()], out_dir / "junit.xml")
             for repro in (p for f in group.files for p in f.repro_files):
@@ -177,6 +186,9 @@ def cmd_merge(args: argparse.Namespace) -> int:
         if multi:
             (target.staging / "summary.md").write_text(summary_markdown([c for c, _ in merged]))
         target.commit()
+    except UntrustedFileError as err:
+        target.discard()
+        raise UsageError(str(err)) from None
     except BaseException:
         target.discard()
         raise

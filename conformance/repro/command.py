@@ -3,6 +3,13 @@
 Exit codes: 0 the scenario ran clean, 1 it diverged (the failure reproduces: the divergence
 block is printed), 2 a bad file, an unknown backend or one that does not claim what the
 scenario needs (one line on stderr).
+
+A repro file is data from a stranger: its ``backend`` field is a label. Replay runs on
+``--backend`` or, without it, on the recorded backend only where that is one specgate knows by
+name (a built-in, an installed entry point, a bug-zoo mutant); a ``module:factory`` named only
+in a file is never imported. What the file asks of this machine (its models, their vocabulary,
+the graph executor, the device) is checked before any engine opens, so a bad file is exit 2,
+never a "reproduced" that blames a correct engine.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ def cmd_repro(args: argparse.Namespace) -> int:
         scenario = with_spec(scenario, args.spec)
     if args.emit_pytest:
         return _emit(scenario, Path(args.emit_pytest))
-    name = args.backend or scenario.backend or DEFAULT_BACKEND
+    name = args.backend or recorded_backend(scenario, str(args.file))
+    check_runnable(scenario, str(args.file))
     try:
         backend = load_backend(name)
         check_applicable(scenario, name, backend.capabilities())
@@ -65,12 +73,61 @@ def cmd_repro(args: argparse.Namespace) -> int:
     return 1
 
 
-def _emit(scenario: Scenario, out: Path) -> int:
-    from conformance.repro.emit import emit_pytest
+def recorded_backend(scenario: Scenario, source: str) -> str:
+    """The backend a replay without ``--backend`` runs on: the recorded one where specgate
+    knows it by name, else a UsageError saying to pass it (never an import from the file)."""
+    from conformance.backends.mutants import MUTANTS
+    from conformance.backends.mutants.source_patches import SOURCE_MUTANTS
+    from conformance.run.registry import known_backends
 
-    if out.suffix != ".py" or not out.name.startswith("test_"):
-        raise UsageError(f"--emit-pytest {out}: name it test_<something>.py, so pytest "
-                         "collects it")
+    label = scenario.backend or DEFAULT_BACKEND
+    mutant = label.removeprefix("mutant:")
+    if label in known_backends() or (label != mutant and (mutant in MUTANTS
+                                                          or mutant in SOURCE_MUTANTS)):
+        return label
+    raise UsageError(f"{source}: recorded on backend {label!r:.120}, which specgate does not "
+                     "know by name and never imports from a file; pass it with --backend")
+
+
+def check_runnable(scenario: Scenario, source: str) -> None:
+    """What the file asks of this machine, before any engine opens: every model and draft
+    model loads, token ids fit the model's vocabulary, the graph executor exists, the device
+    is here. A UsageError (one line) otherwise."""
+    from conformance.run.device import device_problem
+    from refengine.config import GRAPH_EXECUTORS
+    from refengine.data import resolve_model_dir
+    from refengine.model.loader import check_draft_dir, check_model_dir, load_config
+
+    for i, run in enumerate(scenario.runs):
+        where, config = f"{source}: runs[{i}].config", scenario.runs[i].config
+        if config.graph_executor is not None and config.graph_executor not in GRAPH_EXECUTORS:
+            raise UsageError(f"{where}.graph_executor: {config.graph_executor!r:.40} is none of "
+                             f"{', '.join(GRAPH_EXECUTORS)}")
+        problem = device_problem(config.device, config.graph_executor)
+        if problem:
+            raise UsageError(f"{where}: {problem}")
+        try:
+            model = resolve_model_dir(config.model)
+            check_model_dir(model)
+            if config.spec is not None:
+                check_draft_dir(resolve_model_dir(config.spec.draft_model))
+            vocab = load_config(model).vocab_size
+        except (OSError, ValueError) as err:
+            raise UsageError(f"{where}: {err}") from None
+        for j, action in enumerate(run.actions):
+            ids = [*getattr(action, "prompt_ids", ()),
+                   *getattr(getattr(action, "params", None), "stop_token_ids", ())]
+            if any(t >= vocab for t in ids):
+                raise UsageError(f"{source}: runs[{i}].actions[{j}]: token id {max(ids)} is "
+                                 f"outside the model's vocabulary of {vocab}")
+
+
+def _emit(scenario: Scenario, out: Path) -> int:
+    from conformance.repro.emit import MODULE_NAME, emit_pytest
+
+    if not MODULE_NAME.fullmatch(out.name):
+        raise UsageError(f"--emit-pytest {out}: name it test_<letters, digits, _>.py, so "
+                         "pytest collects it")
     if out.exists():
         raise UsageError(f"--emit-pytest {out}: exists; give a new file")
     try:

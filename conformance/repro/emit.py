@@ -13,16 +13,16 @@ import re
 
 from conformance.repro.scenario import Scenario, to_json
 
+# what pytest collects, and safe inside the docstring
+MODULE_NAME = re.compile(r"test_[A-Za-z0-9_]+\.py")
+
 TEMPLATE = '''"""Regression repro emitted by `specgate repro --emit-pytest`.
 
-Check: {check}
-Recorded on backend: {backend}
-It failed with: {failure}
-
 Run it with: pytest {module} --specgate-backend <backend>
-It replays the scenario below through specgate's adapter: {actions} actions over {runs} engine
+It replays SCENARIO through specgate's adapter: {actions} actions over {runs} engine
 instance(s), each then run to completion, checking the invariants after every step, greedy
-outputs against the reference, finish reasons, and that each run ends idle.
+outputs against the reference, finish reasons, and that each run ends idle. CHECK names the
+check it was recorded from, RECORDED_ON the backend and FAILURE how it failed there.
 """
 
 import pytest
@@ -30,21 +30,25 @@ import pytest
 from conformance.repro.replay import replay
 from conformance.repro.scenario import parse
 
-SCENARIO = {literal}
+CHECK = {check}
+RECORDED_ON = {backend}
+FAILURE = {failure}
+SCENARIO = (
+{literal}
+)
 
 
 def test_{name}(specgate_backend):
-    divergence = replay(parse(SCENARIO, {source!r}), specgate_backend)
+    divergence = replay(parse(SCENARIO, {source}), specgate_backend)
     if divergence is not None:
         pytest.fail(divergence.describe(), pytrace=False)
 '''
 
 
 def _literal(text: str) -> str:
-    """The JSON as a readable raw string literal where it can be one."""
-    if '"""' in text or text.endswith('"') or text.endswith("\\"):
-        return repr(text)
-    return f'r"""{text}"""'
+    """The JSON as Python string literals, one per line (``repr`` makes each one: no text of
+    the file ever reaches the module as code)."""
+    return "\n".join(f"    {line!r}" for line in text.splitlines(keepends=True))
 
 
 def _one_line(text: str, width: int = 200) -> str:
@@ -53,12 +57,17 @@ def _one_line(text: str, width: int = 200) -> str:
 
 
 def emit_pytest(scenario: Scenario, module: str) -> str:
-    """The module's source; ``module``: its file name, for the docstring's command."""
+    """The module's source; ``module``: its file name (``test_<word characters>.py``, checked
+    by the command), for the docstring's command. Every field of the file enters the source as
+    a ``repr`` literal, and the test's name keeps ASCII letters and digits only."""
+    if not MODULE_NAME.fullmatch(module):
+        raise ValueError(f"{module!r}: a module name must match {MODULE_NAME.pattern}")
     check = (scenario.check or "scenario").replace(".py::", "_")
-    name = re.sub(r"\W+", "_", check).strip("_").lower().removeprefix("test_")[:80]
+    name = re.sub(r"[^A-Za-z0-9]+", "_", check).strip("_").lower().removeprefix("test_")[:80]
     return TEMPLATE.format(
-        check=scenario.check or "(not recorded)", backend=scenario.backend or "(not recorded)",
-        failure=_one_line(scenario.failure or "(not recorded)").replace('"""', "'''"),
+        check=repr(scenario.check or "(not recorded)"),
+        backend=repr(scenario.backend or "(not recorded)"),
+        failure=repr(_one_line(scenario.failure or "(not recorded)")),
         module=module, actions=scenario.action_count, runs=len(scenario.runs),
         literal=_literal(to_json(scenario)), name=name or "scenario",
-        source=f"{module}: SCENARIO")
+        source=repr(f"{module}: SCENARIO"))

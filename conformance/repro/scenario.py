@@ -11,7 +11,10 @@ comes out the same every time it runs. The file also names the check it came fro
 check failed.
 
 ``load`` refuses an unknown version, an unknown or missing field and a bad value with one line
-(``ReproFileError``) naming where in the file the problem is.
+(``ReproFileError``) naming where in the file the problem is. A file is data from a stranger
+(it travels in bug reports): besides the bounds every untrusted file gets
+(``conformance.untrusted``), every count in it is bounded (``LIMITS``), so no file can ask a
+replay for more steps, tokens or memory than a real check ever records, many times over.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from conformance.contract import OpenConfig, SamplingParams, SpecConfig
+from conformance.untrusted import MiB, UntrustedFileError, parse_json, read_text
 
 VERSION = 1
 FORMAT_KEY = "specgate_repro"
@@ -31,6 +35,20 @@ FORMAT_KEY = "specgate_repro"
 CHECKS = ("invariants after every step", "greedy outputs against the reference as they stream",
           "finish reasons", "every run ends idle",
           "a seeded sampled request comes out the same every time it runs")
+
+
+MAX_FILE_BYTES = 32 * MiB
+# The most a file may ask for, far above anything the suite records (its largest pool is 65,536
+# tokens, its longest step run a few thousand): enough for a hand-written repro, never a hang
+# or a multi-GB allocation.
+LIMITS = {"runs": 1_000, "actions": 100_000, "times": 100_000, "prompt_ids": 65_536,
+          "max_new_tokens": 65_536, "stop_token_ids": 1_024, "stop": 64, "text": 1_024,
+          "kv_pool_tokens": 2**20, "page_size": 4_096, "max_running_requests": 4_096,
+          "max_prefill_tokens": 2**20, "retract_every": 2**20, "seed": 2**63 - 1,
+          "token_id": 2**31 - 1, "name": 256, "steps": 100_000}
+# OpenConfig's fields that are integers (the rest: model, spec, graph_executor, device)
+_CONFIG_INTS = ("kv_pool_tokens", "page_size", "max_running_requests", "max_prefill_tokens",
+                "seed", "retract_every")
 
 
 class ReproFileError(ValueError):
@@ -153,7 +171,7 @@ def _fields(where: str, body: object, cls: type, required: frozenset[str],
     known = {f.name for f in fields(cls)} | extra
     unknown = sorted(set(body) - known)
     if unknown:
-        raise ReproFileError(f"{where}: unknown field {unknown[0]!r} (known: "
+        raise ReproFileError(f"{where}: unknown field {unknown[0]!r:.80} (known: "
                              f"{', '.join(sorted(known))})")
     missing = sorted(required - set(body))
     if missing:
@@ -166,26 +184,55 @@ def _build(where: str, cls: type, kwargs: dict[str, Any]) -> Any:
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as err:
-        raise ReproFileError(f"{where}: {err}") from None
+        raise ReproFileError(f"{where}: {str(err)[:300]}") from None
 
 
-def _string(where: str, value: object) -> str:
+def _string(where: str, value: object, limit: int = LIMITS["name"]) -> str:
     if not isinstance(value, str) or not value:
-        raise ReproFileError(f"{where}: expected a non-empty string, got {value!r}")
+        raise ReproFileError(f"{where}: expected a non-empty string, got {value!r:.80}")
+    if len(value) > limit:
+        raise ReproFileError(f"{where}: longer than {limit} characters")
+    return value
+
+
+def _count(where: str, value: object, least: int, limit: int) -> int:
+    """An integer in ``least..limit`` (a bool is not one)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= limit:
+        raise ReproFileError(f"{where}: expected an integer from {least} to {limit}, "
+                             f"got {value!r:.40}")
     return value
 
 
 def _token_ids(where: str, value: object) -> tuple[int, ...]:
     if not isinstance(value, list) or not value or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= LIMITS["token_id"]
+            for t in value):
         raise ReproFileError(f"{where}: expected a non-empty list of token ids (integers >= 0)")
+    if len(value) > LIMITS["prompt_ids"]:
+        raise ReproFileError(f"{where}: more than {LIMITS['prompt_ids']} tokens")
     return tuple(value)
+
+
+def _params(where: str, body: object) -> SamplingParams:
+    kwargs = _fields(where, body, SamplingParams, frozenset())
+    if "max_new_tokens" in kwargs:
+        _count(f"{where}.max_new_tokens", kwargs["max_new_tokens"], 1, LIMITS["max_new_tokens"])
+    if "seed" in kwargs and kwargs["seed"] is not None:
+        _count(f"{where}.seed", kwargs["seed"], 0, LIMITS["seed"])
+    for name in ("stop_token_ids", "stop"):
+        items = kwargs.get(name, [])
+        if isinstance(items, list) and len(items) > LIMITS[name]:
+            raise ReproFileError(f"{where}.{name}: more than {LIMITS[name]} entries")
+    for text in kwargs.get("stop", []) if isinstance(kwargs.get("stop"), list) else []:
+        if isinstance(text, str) and len(text) > LIMITS["text"]:
+            raise ReproFileError(f"{where}.stop: a stop string longer than {LIMITS['text']}")
+    return _build(where, SamplingParams, kwargs)
 
 
 def _action(where: str, body: object) -> Action:
     if not isinstance(body, Mapping) or body.get("op") not in OPS:
         op = body.get("op") if isinstance(body, Mapping) else body
-        raise ReproFileError(f"{where}: unknown op {op!r} (known: {', '.join(OPS)})")
+        raise ReproFileError(f"{where}: unknown op {op!r:.80} (known: {', '.join(OPS)})")
     cls = OPS[body["op"]]
     required = frozenset({"rid", "prompt_ids"} if cls is Submit else
                          set() if cls is Step else {f.name for f in fields(cls)})
@@ -193,15 +240,11 @@ def _action(where: str, body: object) -> Action:
     if cls is Submit:
         kwargs["rid"] = _string(f"{where}.rid", kwargs["rid"])
         kwargs["prompt_ids"] = _token_ids(f"{where}.prompt_ids", kwargs["prompt_ids"])
-        params = _fields(f"{where}.params", kwargs.get("params", {}), SamplingParams,
-                         frozenset())
-        kwargs["params"] = _build(f"{where}.params", SamplingParams, params)
+        kwargs["params"] = _params(f"{where}.params", kwargs.get("params", {}))
         if kwargs.get("session") is not None:
             kwargs["session"] = _string(f"{where}.session", kwargs["session"])
     elif cls is Step:
-        times = kwargs.get("times", 1)
-        if not isinstance(times, int) or isinstance(times, bool) or times < 1:
-            raise ReproFileError(f"{where}.times: expected an integer >= 1, got {times!r}")
+        _count(f"{where}.times", kwargs.get("times", 1), 1, LIMITS["times"])
     else:
         for name, value in kwargs.items():
             kwargs[name] = _string(f"{where}.{name}", value)
@@ -212,44 +255,56 @@ def _config(where: str, body: object) -> OpenConfig:
     kwargs = _fields(where, body, OpenConfig, frozenset({"model"}))
     spec = kwargs.get("spec")
     if spec is not None:
-        kwargs["spec"] = _build(f"{where}.spec", SpecConfig,
-                                _fields(f"{where}.spec", spec, SpecConfig, frozenset()))
-    for name, value in kwargs.items():
-        if name == "spec" or value is None or name in ("model", "graph_executor", "device"):
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ReproFileError(f"{where}.{name}: expected an integer >= 0, got {value!r}")
-    kwargs["model"] = _string(f"{where}.model", kwargs["model"])
+        spec_kwargs = _fields(f"{where}.spec", spec, SpecConfig, frozenset())
+        for name in ("num_steps", "topk", "num_draft_tokens"):
+            if name in spec_kwargs:
+                _count(f"{where}.spec.{name}", spec_kwargs[name], 1, LIMITS["name"])
+        if "draft_model" in spec_kwargs:
+            _string(f"{where}.spec.draft_model", spec_kwargs["draft_model"], LIMITS["text"])
+        kwargs["spec"] = _build(f"{where}.spec", SpecConfig, spec_kwargs)
+    for name in _CONFIG_INTS:
+        if kwargs.get(name) is not None:
+            _count(f"{where}.{name}", kwargs[name], 0, LIMITS[name])
+    for name in ("graph_executor", "device"):
+        if kwargs.get(name) is not None:
+            _string(f"{where}.{name}", kwargs[name])
+    kwargs["model"] = _string(f"{where}.model", kwargs["model"], LIMITS["text"])
     return _build(where, OpenConfig, kwargs)
 
 
 def parse(text: str, source: str = "repro file") -> Scenario:
     try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ReproFileError(f"{source}: not JSON ({err})") from None
+        doc = parse_json(text, source)
+    except UntrustedFileError as err:
+        raise ReproFileError(str(err)) from None
     if not isinstance(doc, Mapping) or FORMAT_KEY not in doc:
         raise ReproFileError(f"{source}: not a specgate repro file (no {FORMAT_KEY!r} field)")
     if doc[FORMAT_KEY] != VERSION:
-        raise ReproFileError(f"{source}: repro format version {doc[FORMAT_KEY]!r} is not "
+        raise ReproFileError(f"{source}: repro format version {doc[FORMAT_KEY]!r:.40} is not "
                              f"supported (this specgate reads version {VERSION})")
     top = _fields(source, doc, Scenario, frozenset({"runs"}),
                   extra=frozenset({FORMAT_KEY, "checks"}))
     if doc.get("checks", list(CHECKS)) != list(CHECKS):
         raise ReproFileError(f"{source}: checks: version {VERSION} replays exactly "
-                             f"{list(CHECKS)}, the file asks for {doc['checks']!r}")
+                             f"{list(CHECKS)}, the file asks for {doc['checks']!r:.200}")
     runs = top["runs"]
-    if not isinstance(runs, list) or not runs:
-        raise ReproFileError(f"{source}: runs: expected a non-empty list")
+    if not isinstance(runs, list) or not runs or len(runs) > LIMITS["runs"]:
+        raise ReproFileError(f"{source}: runs: expected a non-empty list of at most "
+                             f"{LIMITS['runs']}")
     built = []
     for i, body in enumerate(runs):
         where = f"{source}: runs[{i}]"
         kwargs = _fields(where, body, Run, frozenset({"config", "actions"}))
-        if not isinstance(kwargs["actions"], list):
-            raise ReproFileError(f"{where}.actions: expected a list")
+        if not isinstance(kwargs["actions"], list) or len(kwargs["actions"]) > LIMITS["actions"]:
+            raise ReproFileError(f"{where}.actions: expected a list of at most "
+                                 f"{LIMITS['actions']}")
         built.append(Run(_config(f"{where}.config", kwargs["config"]),
                          tuple(_action(f"{where}.actions[{j}]", a)
                                for j, a in enumerate(kwargs["actions"]))))
+    steps = sum(a.times for r in built for a in r.actions if isinstance(a, Step))
+    if steps > LIMITS["steps"]:
+        raise ReproFileError(f"{source}: asks for {steps} steps in all, more than "
+                             f"{LIMITS['steps']}")
     for name in ("check", "failure", "backend"):
         if not isinstance(top.get(name, ""), str):
             raise ReproFileError(f"{source}: {name}: expected a string")
@@ -259,9 +314,7 @@ def parse(text: str, source: str = "repro file") -> Scenario:
 
 def load(path: Path) -> Scenario:
     try:
-        text = path.read_text()
-    except OSError as err:
-        raise ReproFileError(f"{path}: cannot read ({err.strerror or err})") from None
-    except UnicodeDecodeError:
-        raise ReproFileError(f"{path}: not a text file") from None
+        text = read_text(path, str(path), MAX_FILE_BYTES)
+    except UntrustedFileError as err:
+        raise ReproFileError(str(err)) from None
     return parse(text, str(path))

@@ -19,18 +19,15 @@ when it matches no check in the whole run).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict, dataclass, field
 from datetime import date
 from pathlib import Path
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - the 3.10 fallback
-    import tomli as tomllib
+from conformance.untrusted import MiB, load_toml
 
 KNOWN_FAILURE = "known failure"
 SECTION = "known-failures"
+MAX_FILE_BYTES = 16 * MiB
 
 
 @dataclass(frozen=True)
@@ -58,7 +55,8 @@ def _entry(check: str, value: object, where: str) -> KnownFailure:
     if isinstance(value, str):
         value = {"reason": value}
     if not isinstance(value, dict):
-        raise ValueError(f"{where}: {check!r}: expected a reason or a table, got {value!r}")
+        raise ValueError(f"{where}: {check!r:.200}: expected a reason or a table, got "
+                         f"{value!r:.80}")
     extra = set(value) - {"reason", "expires", "spec"}
     if extra:
         raise ValueError(f"{where}: {check!r}: unknown field(s) {', '.join(sorted(extra))} "
@@ -80,12 +78,7 @@ def load_known(path: Path) -> list[KnownFailure]:
     """The entries of ``path``; ValueError (one line naming file and problem) if it cannot be
     read, does not parse, or holds a bad field."""
     where = f"--known-failures {path}"
-    try:
-        data = tomllib.loads(path.read_text())
-    except OSError as err:
-        raise ValueError(f"{where}: cannot read it ({err.strerror or err})") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{where}: not valid TOML ({err})") from None
+    data = load_toml(path, where, MAX_FILE_BYTES)
     extra = set(data) - {SECTION}
     if extra or not isinstance(data.get(SECTION, {}), dict):
         raise ValueError(f"{where}: expected only a [{SECTION}] table, found "

@@ -5,6 +5,7 @@ mutants). Problems raise ``BackendError`` with one line naming them."""
 from __future__ import annotations
 
 import importlib
+import re
 from importlib.metadata import entry_points
 
 from conformance.contract import Backend, unclaimed_reasons
@@ -17,6 +18,14 @@ BUILTIN = {  # so a checkout works before `pip install -e .` registers the entry
 }
 # bundled backends whose libraries are an optional extra of specgate
 EXTRAS = {"hf": "hf", "ctranslate2": "ctranslate2"}
+
+
+# module:factory as the command line may give it: dotted identifiers, no relative import
+MODULE_FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*", re.ASCII)
+
+
+def _line(err: BaseException) -> str:
+    return " ".join(str(err).split())[:300]
 
 
 class BackendError(ValueError):
@@ -61,18 +70,26 @@ def load_backend(spec: str, launcher: bool = False) -> Backend:
     if spec.startswith("mutant:"):
         return _load_mutant(spec.split(":", 1)[1], launcher)
     target = _target(spec)
+    if not MODULE_FACTORY.fullmatch(target):
+        raise BackendError(f"backend {spec!r:.120}: expected module:factory with an absolute, "
+                           "dotted module name (package.module:name)")
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as err:
+    except Exception as err:  # a module that raises on import is as unusable as a missing one
         hint = (f"; install it with: pip install 'specgate[{EXTRAS[spec]}]'" if spec in EXTRAS
                 else "")
-        raise BackendError(f"backend {spec!r}: cannot import {module_name!r} ({err}){hint}"
-                           ) from None
+        raise BackendError(f"backend {spec!r}: cannot import {module_name!r} "
+                           f"({type(err).__name__}: {_line(err)}){hint}") from None
     factory = getattr(module, attr, None)
     if factory is None:
         raise BackendError(f"backend {spec!r}: module {module_name!r} has no {attr!r}")
-    backend = factory() if callable(factory) and not isinstance(factory, Backend) else factory
+    try:
+        backend = (factory() if callable(factory) and not isinstance(factory, Backend)
+                   else factory)
+    except Exception as err:
+        raise BackendError(f"backend {spec!r}: {target}() raised {type(err).__name__}: "
+                           f"{_line(err)}") from None
     if not isinstance(backend, Backend):
         raise BackendError(f"backend {spec!r}: {target} did not give a Backend (needs name, "
                            "version, capabilities(), open())")

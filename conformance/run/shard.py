@@ -17,7 +17,7 @@ none; 1 s if the table is empty).
 
 from __future__ import annotations
 
-import json
+import math
 import re
 import statistics
 from dataclasses import dataclass
@@ -25,7 +25,10 @@ from pathlib import Path
 
 import pytest
 
+from conformance.untrusted import MiB, UntrustedFileError, load_json
+
 DURATIONS = Path(__file__).with_name("durations.json")
+MAX_DURATIONS_BYTES = 64 * MiB
 
 
 @dataclass(frozen=True)
@@ -51,14 +54,23 @@ def parse_shard(text: str) -> Shard:
 
 
 def load_durations(path: Path) -> dict[str, dict[str, float]]:
-    """spec -> node id -> seconds; ValueError naming the file if it is not such a table."""
+    """spec -> node id -> seconds; ValueError naming the file if it is not such a table (read
+    as untrusted data: a table may come from another machine's certificates)."""
+    where = f"--durations {path}"
     try:
-        table = json.loads(path.read_text())
-        checks = table["durations"]
-        return {str(spec): {str(n): float(s) for n, s in rows.items()}
-                for spec, rows in checks.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"--durations {path}: not a durations table ({err})") from None
+        table = load_json(path, where, MAX_DURATIONS_BYTES)
+    except UntrustedFileError as err:
+        raise ValueError(f"{err}: not a durations table") from None
+    try:
+        checks = table["durations"]  # type: ignore[index]
+        found = {str(spec): {str(n): float(s) for n, s in rows.items()}
+                 for spec, rows in checks.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{where}: not a durations table ({type(err).__name__}: "
+                         f"{str(err)[:200]})") from None
+    if not all(math.isfinite(s) and s >= 0 for rows in found.values() for s in rows.values()):
+        raise ValueError(f"{where}: a duration that is not a finite number of seconds >= 0")
+    return found
 
 
 def weights(nodeids: list[str], spec: str, table: dict[str, dict[str, float]]
