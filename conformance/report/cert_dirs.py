@@ -49,8 +49,10 @@ def _problem(report: object) -> str | None:
     """Why ``report`` is not a certificate's report.json, or None."""
     if not isinstance(report, dict) or not isinstance(report.get("checks"), list):
         return "no checks list"
-    if report.get("spec") not in SPECS:
+    if not isinstance(report.get("spec"), str) or report["spec"] not in SPECS:
         return f"spec {report.get('spec')!r:.60} is none of {', '.join(SPECS)}"
+    if not isinstance(report.get("shard"), (str, type(None))):
+        return "shard is not a string"
     for i, row in enumerate(report["checks"]):
         if not isinstance(row, dict):
             return f"checks[{i}] is not an object"

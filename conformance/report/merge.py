@@ -173,11 +173,11 @@ def cmd_merge(args: argparse.Namespace) -> int:
             try:
                 cert = build_certificate(merged_results(group))
                 cert.environment = dict(group.files[0].report["environment"])  # type: ignore[arg-type]
+                write_reports(cert, out_dir, shown)
             except (KeyError, TypeError, ValueError, AttributeError) as err:
                 raise UsageError(f"spec {group.spec}: the shards' report.json lack what a "
                                  f"certificate is built from ({type(err).__name__}: "
                                  f"{' '.join(str(err).split())[:200]})") from None
-            write_reports(cert, out_dir, shown)
             merge_junit([f.junit for f in group.files if f.junit.exists()], out_dir / "junit.xml")
             for repro in (p for f in group.files for p in f.repro_files):
                 (out_dir / REPRO_DIR).mkdir(exist_ok=True)

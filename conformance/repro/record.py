@@ -21,6 +21,7 @@ from conformance.contract import Backend
 from conformance.report.report_dir import REPRO_DIR
 from conformance.repro.scenario import Scenario, save
 from conformance.run.driver import Driver
+from conformance.untrusted import contained
 
 MAX_NAME = 120
 
@@ -61,7 +62,7 @@ def write_repro(runs: RecordedRuns, report_dir: Path, check: str, failure: str,
     if scenario is None:
         return {}
     relative = f"{REPRO_DIR}/{check_file_name(check)}"
-    save(scenario, report_dir / relative)
+    save(scenario, contained(report_dir, REPRO_DIR, check_file_name(check)))
     reproduces: bool | None = None
     if replay_it:
         try:

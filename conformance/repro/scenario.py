@@ -230,7 +230,8 @@ def _params(where: str, body: object) -> SamplingParams:
 
 
 def _action(where: str, body: object) -> Action:
-    if not isinstance(body, Mapping) or body.get("op") not in OPS:
+    if not isinstance(body, Mapping) or not isinstance(body.get("op"), str) \
+            or body["op"] not in OPS:
         op = body.get("op") if isinstance(body, Mapping) else body
         raise ReproFileError(f"{where}: unknown op {op!r:.80} (known: {', '.join(OPS)})")
     cls = OPS[body["op"]]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from conformance.report.console import print_certificate, print_table
 from conformance.run.usage import Interrupted, UsageError, validate
+from conformance.untrusted import contained
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -217,7 +218,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
     unmatched: list[set[str]] = []  # per certificate: --only ids of no check there
     try:
         for spec in specs:
-            out_dir = target.staging / spec.name if multi else target.staging
+            out_dir = contained(target.staging, spec.name) if multi else target.staging
             results, interrupted = _certify_one(args, spec, out_dir, finish, console)
             if results is not None and multi and finish.selection.drops(results) \
                     and not interrupted:
