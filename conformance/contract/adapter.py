@@ -139,6 +139,9 @@ class Backend(Protocol):
     Optional extra: ``unclaimed_reasons() -> dict[str, str]``, one line per capability the
     backend does not claim saying why (keys as ``Capabilities.claims`` takes them: a flag, or
     ``algorithm:<name>``); the certificate shows them beside what was not claimed.
+
+    Optional attribute: ``contract_version``, the contract the backend was written for
+    (``contract/versions.py``); left out, the current ``CONTRACT_VERSION``.
     """
 
     name: str

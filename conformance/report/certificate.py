@@ -56,7 +56,7 @@ class TierSummary:
 
 @dataclass
 class Certificate:
-    backend: dict[str, str]
+    backend: dict[str, object]  # name, version, resolved_from, contract_version (declared)
     capabilities: dict[str, object]
     spec: str
     profile: str
@@ -261,6 +261,7 @@ def certified_lines(cert: Certificate) -> list[str]:
                else f"{cert.case_timeout:g} s per phase of a check")
     out = ["## What was certified", "",
            f"- backend: `{b['name']}` version `{b['version']}`",
+           f"- adapter contract it was written for: `{b.get('contract_version', 'not recorded')}`",
            f"- precision the backend declares: `{cert.precision}`",
            f"- spec: `{cert.spec}`, profile: `{cert.profile}`, graphs: `{cert.graphs or 'off'}`, "
            f"device: `{cert.device}`",

@@ -17,6 +17,8 @@ from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from conformance.contract import OpenConfig
+from conformance.contract.versions import ContractRefusal, config_for, declared_version
 from conformance.report.console import print_certificate, print_table
 from conformance.run.usage import Interrupted, UsageError, validate
 from conformance.untrusted import contained
@@ -198,6 +200,10 @@ def cmd_certify(args: argparse.Namespace) -> int:
                           args.model, args.draft_model)
     if args.graphs and not backend.capabilities().graph_runner:
         raise UsageError(f"--graphs: backend {args.backend!r} does not claim graph_runner")
+    try:  # what the backend's contract version cannot express, before any work
+        config_for(OpenConfig(device=args.device), declared_version(backend), backend.name)
+    except ContractRefusal as err:
+        raise UsageError(str(err)) from None
     finish = Finish(_selection(args), _known_from(args), str(args.known_failures),
                     args.strict_known)
     specs = (claimed_specs(backend.capabilities()) if args.spec == "claimed"

@@ -28,6 +28,7 @@ import torch
 
 from conformance.checks.oracle import ReferenceOracle
 from conformance.contract import Backend, Capabilities, OpenConfig, SpecConfig, unclaimed_reasons
+from conformance.contract.versions import declared_version
 from conformance.report.certified import config_record
 from conformance.report.environment import run_environment
 from conformance.report.progress import backend_progress, tier_of
@@ -395,7 +396,8 @@ class ResultCollector:
             ctx = context(self.config)
             Path(results_path).write_text(json.dumps({
                 "backend": {"name": ctx.backend.name, "version": ctx.backend.version,
-                            "resolved_from": ctx.backend_name},
+                            "resolved_from": ctx.backend_name,
+                            "contract_version": declared_version(ctx.backend)},
                 "capabilities": ctx.caps.as_dict(), "spec": ctx.spec.name,
                 "unclaimed_reasons": unclaimed_reasons(ctx.backend),
                 "configurations": [config_record(c) for c in ctx.spec.configs],
