@@ -232,8 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     cache = sub.add_parser("cache", formatter_class=fmt, help="the compiled keys the reference "
                            "engine's 'aot' graph executor keeps between processes "
                            "($SPECGATE_CACHE_DIR, else the user cache directory)")
-    cache.add_argument("action", choices=["info", "clear"],
-                       help="info: where they are, how many, how big; clear: delete them")
+    cache.add_argument("action", choices=["info", "prune", "clear"],
+                       help="info: where they are, each one's size, the total against the "
+                       "budget ($SPECGATE_CACHE_MAX_GB), leftovers of killed builds and "
+                       "loading markers; prune: delete what this code and torch can never "
+                       "load; clear: delete everything")
     cache.set_defaults(func=cmd_cache)
     return parser
 

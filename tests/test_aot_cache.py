@@ -1,7 +1,9 @@
 """Persistent compiled keys (``refengine/graph/aot.py``): the artefact's name covers everything
 that changes it, a build lands whole or not at all, a file that does not load is rebuilt, never
 used, and ``specgate cache info|clear`` shows and empties the cache. The slow test compiles a
-real key and loads it in a second executor without compiling."""
+real key and loads it in a second executor without compiling, its weights kept once beside the
+package. What the cache does with damaged, crashed, unwritable or over-budget packages:
+``test_aot_cache_integrity.py``."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from conformance.cli import main
-from refengine.graph import aot
+from refengine.graph import aot, aot_store
 from refengine.graph.aot import (
     AotPackages,
     ArtefactKey,
@@ -48,8 +50,9 @@ def fake_packages(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         loaded.append(path)
         return path
 
-    monkeypatch.setattr(aot, "open_package", load)
-    monkeypatch.setattr(aot, "_LOADED", {})  # this test's process has loaded nothing yet
+    monkeypatch.setattr(aot_store, "open_package", load)
+    for state in ("_LOADED", "_BLOBS", "_PENDING", "_WARNED"):  # as a fresh process's
+        monkeypatch.setattr(aot_store, state, type(getattr(aot_store, state))())
     return loaded
 
 
@@ -72,7 +75,7 @@ def test_built_once_then_loaded(tmp_path: Path, fake_packages: list[str]) -> Non
     first = cache.load_or_build(KEY, write_package)
     same_process = PackageCache(tmp_path)  # another engine: the package loaded already
     assert same_process.load_or_build(KEY, write_package) is first and len(fake_packages) == 1
-    aot._LOADED.clear()  # a later process
+    aot_store._LOADED.clear()  # a later process
     again = PackageCache(tmp_path)
     again.load_or_build(KEY, lambda p: pytest.fail("a cached key was built again"))
     assert (len(cache.builds), len(again.builds)) == (1, 0) and len(fake_packages) == 2
@@ -113,7 +116,7 @@ def test_the_gemm_kernels_follow_the_rows_a_key_multiplies() -> None:
     weights folded in either way. The choice is part of the artefact's name, so a package
     built one way is never loaded for the other."""
     few, many = package_settings(aot.MANY_ROWS - 1), package_settings(aot.MANY_ROWS)
-    assert few == FROZEN_WEIGHTS
+    assert few == {**FROZEN_WEIGHTS, **aot_store.SHARED_WEIGHTS}
     assert many["freezing"] and "max_autotune_gemm_backends" not in many
     packages = AotPackages(torch.nn.Module(), PackageCache(progress=None))
     names = {packages.artefact_key("verify-b8", [torch.zeros(2)], [None], rows).file_name()
@@ -168,6 +171,7 @@ def test_a_failed_build_leaves_nothing(tmp_path: Path, fake_packages: list[str])
     with pytest.raises(RuntimeError, match="compiler died"):
         cache.load_or_build(KEY, half_then_fail)
     assert [p.name for p in cache.root.iterdir()] == [f".lock-{KEY.file_name()}"]
+    assert not aot_store._PENDING  # nothing was loaded, so nothing is marked as loading
 
 
 def test_a_key_being_built_elsewhere_is_waited_for_then_loaded(
@@ -193,13 +197,17 @@ def test_a_key_being_built_elsewhere_is_waited_for_then_loaded(
     assert order == ["built", "loaded"] and not second.builds
 
 
-def test_a_corrupt_package_is_rebuilt_never_used(tmp_path: Path,
-                                                 fake_packages: list[str]) -> None:
-    cache = PackageCache(tmp_path)
+def test_a_package_without_a_sidecar_is_rebuilt_never_used(tmp_path: Path,
+                                                            fake_packages: list[str]) -> None:
+    """A truncated file, or a package of a cache from before sidecars: no digest says what it
+    should hold, so it is rebuilt."""
+    said = io.StringIO()
+    cache = PackageCache(tmp_path, progress=said)
     cache.root.mkdir(parents=True)
     (cache.root / KEY.file_name()).write_bytes(b"trunc")
     cache.load_or_build(KEY, write_package)
     assert len(cache.builds) == 1 and (cache.root / KEY.file_name()).read_bytes() == b"package"
+    assert "no sidecar" in said.getvalue().splitlines()[0] and not fake_packages[:-1]
 
 
 def test_clear_and_the_cache_location(tmp_path: Path, fake_packages: list[str],
@@ -210,7 +218,9 @@ def test_clear_and_the_cache_location(tmp_path: Path, fake_packages: list[str],
     PackageCache().load_or_build(KEY, write_package)
     (PackageCache().root / ".tmp-1-left-by-a-killed-build.pt2").write_bytes(b"")
     assert main(["cache", "info"]) == 0
-    assert f"{tmp_path / 'aot'}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'aot'}" in out and KEY.file_name() in out
+    assert "left by a killed build" not in out  # pid 1 still runs: its build may be under way
     assert main(["cache", "clear"]) == 0
     assert "removed 1 package(s)" in capsys.readouterr().out
     assert list(PackageCache().root.iterdir()) == []
@@ -242,7 +252,11 @@ def test_a_compiled_key_loads_in_a_later_executor_without_compiling(tmp_path: Pa
     assert len(first.packages.cache.builds) == 1
     torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(kv.k[:, 0], written, atol=1e-4, rtol=1e-4)
-    aot._LOADED.clear()  # a later process: it loads the package from disk
+    package = first.packages.cache.entries()[0]
+    blobs = sorted((first.packages.cache.root / "weights").iterdir())
+    assert package.stat().st_size < sum(b.stat().st_size for b in blobs)  # code, not weights
+    aot_store._LOADED.clear()  # a later process: it loads the package from disk
+    aot_store._BLOBS.clear()
     later = AotExecutor(runner.target, kv, table, PackageCache(tmp_path))
     start = time.perf_counter()
     torch.testing.assert_close(later.run(key, views).logits, got.logits)

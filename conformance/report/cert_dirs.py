@@ -3,7 +3,7 @@
 summary.md).
 
 Certificates come from other machines (CI shards, a fork's artefacts), so report.json is read
-as untrusted data (``conformance.untrusted``): bounded, its spec one specgate knows (it names
+as untrusted data (``specwire.untrusted``): bounded, its spec one specgate knows (it names
 a directory the merge writes), its checks rows of the fields the readers use.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from conformance.report.report_dir import REPRO_DIR
 from conformance.run.specs import SPECS
-from conformance.untrusted import MiB, UntrustedFileError, load_json
+from specwire.untrusted import MiB, UntrustedFileError, load_json
 
 MAX_REPORT_BYTES = 256 * MiB
 # what every row of report.json's checks must hold, for merge and durations to read it

@@ -10,7 +10,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from conformance.untrusted import MAX_DEPTH, MiB, UntrustedFileError, read_text
+from specwire.untrusted import MAX_DEPTH, MiB, UntrustedFileError, read_text
 
 _VERDICTS = ("failure", "error", "skipped")
 MAX_JUNIT_BYTES = 256 * MiB

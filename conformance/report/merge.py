@@ -26,7 +26,7 @@ from conformance.report.cert_dirs import CertDir, SpecFiles, read_cert_dir
 from conformance.report.verdict import vacuous_reason
 from conformance.run.specs import SPECS
 from conformance.run.usage import UsageError
-from conformance.untrusted import UntrustedFileError, contained
+from specwire.untrusted import UntrustedFileError, contained
 
 # what every shard of one run records alike
 SAME = (("specgate_version", "specgate versions"), ("backend", "backends"),

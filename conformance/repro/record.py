@@ -21,7 +21,7 @@ from conformance.contract import Backend
 from conformance.report.report_dir import REPRO_DIR
 from conformance.repro.scenario import Scenario, save
 from conformance.run.driver import Driver
-from conformance.untrusted import contained
+from specwire.untrusted import contained
 
 MAX_NAME = 120
 

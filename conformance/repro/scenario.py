@@ -13,7 +13,7 @@ check failed.
 ``load`` refuses an unknown version, an unknown or missing field and a bad value with one line
 (``ReproFileError``) naming where in the file the problem is. A file is data from a stranger
 (it travels in bug reports): besides the bounds every untrusted file gets
-(``conformance.untrusted``), every count in it is bounded (``LIMITS``), so no file can ask a
+(``specwire.untrusted``), every count in it is bounded (``LIMITS``), so no file can ask a
 replay for more steps, tokens or memory than a real check ever records, many times over.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from conformance.contract import OpenConfig, SamplingParams, SpecConfig
-from conformance.untrusted import MiB, UntrustedFileError, parse_json, read_text
+from specwire.untrusted import MiB, UntrustedFileError, parse_json, read_text
 
 VERSION = 1
 FORMAT_KEY = "specgate_repro"

@@ -21,7 +21,7 @@ from conformance.contract import OpenConfig
 from conformance.contract.versions import ContractRefusal, config_for, declared_version
 from conformance.report.console import print_certificate, print_table
 from conformance.run.usage import Interrupted, UsageError, validate
-from conformance.untrusted import contained
+from specwire.untrusted import contained
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import date
 from pathlib import Path
 
-from conformance.untrusted import MiB, load_toml
+from specwire.untrusted import MiB, load_toml
 
 KNOWN_FAILURE = "known failure"
 SECTION = "known-failures"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.untrusted import MiB, UntrustedFileError, load_json
+from specwire.untrusted import MiB, UntrustedFileError, load_json
 
 DURATIONS = Path(__file__).with_name("durations.json")
 MAX_DURATIONS_BYTES = 64 * MiB

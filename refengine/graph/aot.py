@@ -11,40 +11,49 @@ the key's constants and input shapes, the compile settings, torch's version, the
 instruction set, the thread count and the source of the code the forward runs. The sizes that
 follow an engine's limits (the pool's slots, the row table's rows) are left free in the package
 (``open_limits``), so engines opened with other limits share it. A different model or torch
-gives a different name, so a stale artefact is never found; one that fails to load (a
-truncated write, a corrupt file) is deleted and rebuilt. A build writes to a private temporary
-file and renames it into place, so no reader ever sees half a package, and holds a lock file
-per key, so processes that need the same key at once (xdist workers) build it once. The
-cache lives in ``$SPECGATE_CACHE_DIR``, else ``$XDG_CACHE_HOME/specgate``
-(``~/.cache/specgate``); ``specgate cache info|clear`` shows and empties it.
+gives a different name, so a stale artefact is never found.
+
+The cache itself is ``aot_store.py``: a package holds only code, its constants (folded and
+packed weights) are stored once per machine by content and shared by every package of the
+model; each package's bytes are checked against a digest recorded at build time, a package
+that crashed a process is rebuilt, a key that cannot be built there (a read-only cache, a full
+disk) runs compiled in memory (``InMemoryKey``) with one warning, and the cache keeps to a size
+budget. It lives in ``$SPECGATE_CACHE_DIR``, else ``$XDG_CACHE_HOME/specgate``
+(``~/.cache/specgate``); ``specgate cache info|prune|clear`` shows, trims and empties it.
 """
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import functools
 import hashlib
 import inspect
 import json
-import os
-import sys
-import time
-import uuid
 import warnings
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
+from unittest import mock
 
 import torch
 
-from refengine.graph.compile import FROZEN_WEIGHTS
+from refengine.graph import aot_store
+from refengine.graph.aot_store import CACHE_ENV as CACHE_ENV  # re-exported: callers, tests
+from refengine.graph.aot_store import (
+    SHARED_WEIGHTS,
+    ArtefactKey,
+    CannotBuild,
+    Constants,
+    PackageCache,
+)
+from refengine.graph.aot_store import cache_dir as cache_dir
+from refengine.graph.aot_store import open_package as open_package
+from refengine.graph.compile import FROZEN_WEIGHTS, WarmKeys, own_code
 from refengine.graph.executors import GraphKey, whole_forward
 from refengine.graph.staging import StagedViews
 from refengine.memory.kv_pool import KVPool
 from refengine.model.llama import ForwardOutput, LlamaForCausalLM, Rotary
 
-CACHE_ENV = "SPECGATE_CACHE_DIR"
 # A package's GEMMs: inductor's C++ templates (``FROZEN_WEIGHTS``) beat ATen's GEMM on the same
 # packed weights when a forward has few rows, and lose to it by far when it has many (a verify
 # key of a large bucket): a key whose forwards multiply at least this many rows gets ATen's.
@@ -52,6 +61,9 @@ CACHE_ENV = "SPECGATE_CACHE_DIR"
 MANY_ROWS = 32
 _ATEN_GEMMS = {"freezing": True}
 _REFENGINE = Path(__file__).resolve().parents[1]
+# What a key that cannot be built is compiled with in memory (tests: "eager", no code made).
+FALLBACK_BACKEND = "inductor"
+_LOADED = aot_store._LOADED  # the packages this process loaded, by file
 # The code a compiled forward is made of: a change in any of these changes every artefact.
 # Not this file: its cache and loader are not in a package, and the export wrappers it defines
 # are in the digest as classes (``code_digest``), so fixing the loader keeps the packages.
@@ -63,16 +75,8 @@ _FORWARD_SOURCES = ("model/llama.py", "model/attention.py", "model/eagle.py",
 def package_settings(rows: int) -> dict[str, Any]:
     """Inductor's settings for a key whose forwards multiply ``rows`` rows per GEMM (requests
     times tokens per request): weights folded in either way, the GEMM kernels ``MANY_ROWS``
-    picks."""
-    return dict(FROZEN_WEIGHTS if rows < MANY_ROWS else _ATEN_GEMMS)
-
-
-def cache_dir() -> Path:
-    """Where packages are kept: ``$SPECGATE_CACHE_DIR``, else the platform's user cache."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "specgate"
+    picks, the constants kept out of the package's code (``SHARED_WEIGHTS``)."""
+    return {**(FROZEN_WEIGHTS if rows < MANY_ROWS else _ATEN_GEMMS), **SHARED_WEIGHTS}
 
 
 def weights_digest(module: torch.nn.Module) -> str:
@@ -140,120 +144,51 @@ def code_digest(module: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-@dataclass(frozen=True)
-class ArtefactKey:
-    """Everything a package depends on; its file name is a digest of all of it. ``label``
-    names the key for people (``decode-b1-kv256``) and carries the constants baked into its
-    code (bucket, key width, a draft loop's top-k and steps), so it is part of the digest."""
-
-    label: str
-    weights: str
-    inputs: str
-    settings: str
-    torch: str
-    isa: str
-    threads: int
-    code: str
-
-    def file_name(self) -> str:
-        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
-        return f"{self.label}-{digest[:20]}.pt2"
+# The settings of a package that keeps its constants in its code (``supplies`` said no).
+_CONSTANTS_INSIDE = {"aot_inductor.package_constants_in_so": True}
 
 
-# Packages this process has loaded, by file: every engine on the same weights and key shares
-# one (a package is called with the engine's own pool and buffers, and holds nothing else that
-# a call changes), so a run that opens many engines loads each package once.
-_LOADED: dict[Path, Any] = {}
+def _compile(program: torch.export.ExportedProgram, path: Path, settings: dict[str, Any]
+             ) -> None:
+    with warnings.catch_warnings():  # torch's own pytree deprecation, once per build
+        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path),
+                                                 inductor_configs=settings)
 
 
-def open_package(path: str) -> Any:
-    """A package's runner (``.run(inputs) -> outputs``), from torch's C++ loader directly:
-    ``aoti_load_package`` would import inductor and try a newer archive format first, about
-    2.4 s at a process's first load against 0.02 s. A torch without that loader (or with
-    another signature) gets the public path."""
+@contextlib.contextmanager
+def captured_constants() -> Iterator[Constants]:
+    """The constants of the package compiled inside (folded and packed weights, tables), by
+    the names its code gives them, as inductor serialises them (``AotCodeCompiler.compile``).
+    By name, not by the original names torch's own ``load_constants`` takes: a draft loop
+    gets several differently packed constants of one original name (``constant10``,
+    ``constant10_0``, ...), which that map cannot tell apart."""
+    from torch._inductor import codecache
+
+    captured: Constants = {}
+    compile_package = codecache.AotCodeCompiler.compile
+
+    def capturing(cls: type, graph: Any, *args: Any, **kwargs: Any) -> Any:
+        folded = getattr(graph, "folded_constants", set())
+        captured.update({name: graph.get_original_value_of_constant(name)
+                         for name in graph.constants if name not in folded})
+        return compile_package(graph, *args, **kwargs)
+
+    with mock.patch.object(codecache.AotCodeCompiler, "compile", classmethod(capturing)):
+        yield captured
+
+
+def supplies(path: Path, constants: Constants) -> bool:
+    """Whether ``constants`` are every constant the package at ``path`` takes, by name,
+    dtype and shape (the loader refuses anything else), each a plain strided tensor (a blob
+    holds bytes; an opaque oneDNN tensor cannot be rebuilt from them)."""
+    if any(t.layout != torch.strided for t in constants.values()):
+        return False
     try:
-        return torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
-    except (AttributeError, TypeError):
-        return torch._inductor.aoti_load_package(path).loader
-
-
-def _load(path: Path) -> Any:
-    _LOADED[path] = open_package(str(path))
-    return _LOADED[path]
-
-
-@dataclass(frozen=True)
-class Build:
-    """One package compiled by this process: which key, in how many seconds."""
-
-    label: str
-    seconds: float
-
-
-class PackageCache:
-    """Compiled packages on disk, one file per ``ArtefactKey``."""
-
-    def __init__(self, root: Path | None = None, progress: TextIO | None = sys.stderr) -> None:
-        """``progress``: where each build says which key it compiles and how long it took
-        (a first run on a machine compiles for minutes); None: silent."""
-        self.root = (root or cache_dir()) / "aot"
-        self.progress = progress
-        self.builds: list[Build] = []  # the packages this instance compiled (the rest it loaded)
-
-    def load_or_build(self, key: ArtefactKey, build: Callable[[Path], None]) -> Any:
-        """The loaded package of ``key``: loaded already by this process, from the cache, or
-        built by ``build(path)`` (which writes a package at ``path``) and stored first. A
-        file that fails to load is deleted and rebuilt."""
-        path = self.root / key.file_name()
-        if path in _LOADED:
-            return _LOADED[path]
-        self.root.mkdir(parents=True, exist_ok=True)
-        # One build per key at a time on the machine: a process that finds another building
-        # it (an xdist worker beside this one) waits, then loads what that one built.
-        with open(path.with_name(f".lock-{path.name}"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if path.exists():
-                try:
-                    return _load(path)
-                except Exception:  # any failure to load means: not usable
-                    path.unlink(missing_ok=True)
-            return self._build(key, path, build)
-
-    def _build(self, key: ArtefactKey, path: Path, build: Callable[[Path], None]) -> Any:
-        # private to this build, and still a ".pt2" (the packager insists on the suffix)
-        temporary = path.with_name(f".tmp-{os.getpid()}-{uuid.uuid4().hex}-{path.name}")
-        self._say(f"specgate: compiling {key.label} (once per machine, into {self.root})")
-        start = time.perf_counter()
-        try:
-            build(temporary)
-            os.replace(temporary, path)  # atomic: a reader sees no package or a whole one
-        finally:
-            temporary.unlink(missing_ok=True)
-        self.builds.append(Build(key.label, time.perf_counter() - start))
-        self._say(f"specgate: compiled {key.label} in {self.builds[-1].seconds:.1f} s "
-                  f"({len(self.builds)} this run, "
-                  f"{sum(b.seconds for b in self.builds):.0f} s in all)")
-        return _load(path)
-
-    def _say(self, line: str) -> None:
-        if self.progress is not None:
-            print(line, file=self.progress, flush=True)
-
-    def entries(self) -> list[Path]:
-        """The packages (not the temporaries of builds under way or killed)."""
-        if not self.root.is_dir():
-            return []
-        return sorted(p for p in self.root.glob("*.pt2") if not p.name.startswith("."))
-
-    def clear(self) -> int:
-        """Delete every package, any temporary a killed build left and the lock files;
-        -> packages deleted."""
-        removed = 0
-        if self.root.is_dir():
-            for p in [*self.root.glob("*.pt2"), *self.root.glob(".lock-*")]:
-                p.unlink(missing_ok=True)
-                removed += p.suffix == ".pt2" and not p.name.startswith(".")
-        return removed
+        open_package(str(path)).update_constant_buffer(constants, False, True, False)
+    except Exception:  # any refusal means: not these
+        return False
+    return True
 
 
 def register_tables(module: torch.nn.Module, rotary: Rotary) -> None:
@@ -278,11 +213,32 @@ class _KeyForward(torch.nn.Module):
         return whole_forward(self.model, *inputs, self.max_kv)
 
 
+def _call(module: torch.nn.Module, *inputs: torch.Tensor) -> Any:
+    return module(*inputs)
+
+
+class InMemoryKey:
+    """A key run without a package, where none can be built (``CannotBuild``): the module a
+    build would export, compiled in this process as the "compiled" executor compiles a key
+    (``fullgraph``, static shapes, guards skipped once warm), gone when the process ends."""
+
+    def __init__(self, module: torch.nn.Module, key: Hashable) -> None:
+        self.module, self.key = module, key
+        self._forward = torch.compile(own_code(_call), backend=FALLBACK_BACKEND, fullgraph=True,
+                                      dynamic=False)
+        self._warm = WarmKeys(freeze_weights=False)
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        with self._warm.settings(self.key):
+            return list(self._forward(self.module, *inputs))
+
+
 class AotPackages:
     """Loaded packages by key, for one module's forward (the target's, or a draft loop's):
     ``load(key, label, module, inputs)`` loads the key's package, building it first if this
     machine has none (``module`` exported on ``inputs``); ``run(key, inputs)`` calls it
-    directly, with no tracing, guards or Python wrapper around the compiled code."""
+    directly, with no tracing, guards or Python wrapper around the compiled code. A key this
+    machine cannot build runs as an ``InMemoryKey``."""
 
     def __init__(self, weights: torch.nn.Module, cache: PackageCache | None = None) -> None:
         """``weights``: the module a build exports, holding every tensor the packages fold in
@@ -297,6 +253,13 @@ class AotPackages:
     def _digests(self) -> tuple[str, str]:
         """(weights, code): hashing the weights is slow, so once per instance."""
         return weights_digest(self.weights_of), code_digest(self.weights_of)
+
+    @functools.cached_property
+    def _build_bytes(self) -> int:
+        """What a build writes to the cache's disk, at most: the package as compiled holds the
+        weights and their packed copies, and the blobs take as much again."""
+        tensors = [*self.weights_of.parameters(), *self.weights_of.buffers()]
+        return 4 * sum(t.numel() * t.element_size() for t in tensors)
 
     def artefact_key(self, label: str, inputs: Sequence[torch.Tensor],
                      free: Sequence[Dims | None], rows: int) -> ArtefactKey:
@@ -317,16 +280,27 @@ class AotPackages:
         free = per_input(inputs, free)
         artefact = self.artefact_key(label, inputs, free, rows)
 
-        def build(path: Path) -> None:
+        def build(path: Path) -> Constants | None:
             with torch.no_grad():  # one entry per parameter, and ``*inputs`` is one
                 program = torch.export.export(module().eval(), tuple(inputs), strict=False,
                                               dynamic_shapes=(free,))
-            with warnings.catch_warnings():  # torch's own pytree deprecation, once per build
-                warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
-                torch._inductor.aoti_compile_and_package(program, package_path=str(path),
-                                                         inductor_configs=package_settings(rows))
+            settings = package_settings(rows)
+            with captured_constants() as constants:
+                _compile(program, path, settings)
+            if supplies(path, constants):
+                return constants
+            # Constants the cache cannot keep (oneDNN's packed weights, which inductor makes
+            # for some linear layers of many rows), or a torch that names them otherwise: the
+            # package keeps them in its code, as before they were shared.
+            _compile(program, path, {**settings, **_CONSTANTS_INSIDE})
+            return None
 
-        self._loaded[key] = self.cache.load_or_build(artefact, build)
+        try:
+            self._loaded[key] = self.cache.load_or_build(artefact, build, sources_digest(),
+                                                         self._build_bytes)
+        except CannotBuild as err:
+            self.cache.fall_back(label, err)
+            self._loaded[key] = InMemoryKey(module().eval(), key)
 
     def run(self, key: Hashable, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         try:
@@ -356,14 +330,22 @@ class AotExecutor:
         return [self.kv.k, self.kv.v, views.input_ids, views.positions, views.out_slots,
                 views.rows, views.seq_lens, views.tree_mask, self.table]
 
-    def prepare(self, key: GraphKey, views: StagedViews) -> None:
+    def _load(self, key: GraphKey, views: StagedViews) -> None:
         pool, table = open_limits()
         tokens = f"-n{views.q}" if views.q > 1 else ""  # a verify key's tokens per request
         self.packages.load(key, f"{key.kind}{tokens}-b{key.bucket}-kv{key.max_kv}",
                            lambda: _KeyForward(self.model, key.max_kv), self._inputs(views),
                            key.bucket * views.q, [pool, pool, *[None] * 6, table])
 
+    def prepare(self, key: GraphKey, views: StagedViews) -> None:
+        """Load ``key`` (built first if needed) and call it once on ``views`` (padding only),
+        as the replay executor does: a package is marked as loading until its first call
+        returns, so a later process does not take a process ended meanwhile for its crash."""
+        self._load(key, views)
+        if key in self.packages:
+            self.packages.run(key, self._inputs(views))
+
     def run(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
-        self.prepare(key, views)
+        self._load(key, views)
         logits, features = self.packages.run(key, self._inputs(views))
         return ForwardOutput(logits, features)
