@@ -10,9 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from specwire.params import SPEC_ALGORITHMS, SamplingParams, SpecConfig, is_int, require
+from specwire.params import (
+    NGRAM_MAX,
+    NGRAM_MIN,
+    SPEC_ALGORITHMS,
+    SamplingParams,
+    SpecConfig,
+    is_int,
+    require,
+)
 
-__all__ = ["GRAPH_EXECUTORS", "SPEC_ALGORITHMS", "EngineConfig", "SamplingParams", "SpecConfig"]
+__all__ = ["GRAPH_EXECUTORS", "NGRAM_MAX", "NGRAM_MIN", "SPEC_ALGORITHMS", "EngineConfig",
+           "SamplingParams", "SpecConfig"]
 
 GRAPH_EXECUTORS = ("compiled", "frozen", "replay", "cuda", "aot")  # EngineConfig.graph_executor's
 

@@ -48,6 +48,7 @@ from refengine.speculative.drafter import Drafter
 from refengine.speculative.eagle import EagleDrafter
 from refengine.speculative.frozen_kv_mtp import FrozenKVMTPDrafter
 from refengine.speculative.modes import row_headroom
+from refengine.speculative.ngram import NgramDrafter
 from refengine.speculative.worker import SpecWorker
 from refengine.step import StepResult
 
@@ -83,12 +84,12 @@ class Engine:
     scheduler_class: type[Scheduler] = Scheduler
     runner_class: type[ModelRunner] = ModelRunner
     graph_runner_class: type[GraphRunner] = GraphRunner  # wraps the runner (cuda_graph=True)
-    # The verify core every speculative algorithm runs on (sequential or overlap), and the
-    # drafter of each algorithm it composes with.
+    # The verify core every speculative algorithm runs on (sequential or overlap), the
+    # drafter of each algorithm it composes with, and the draft model of those that have one.
     worker_class: type[SpeculativeWorker] = SpeculativeWorker
     drafter_classes: ClassVar[dict[str, DrafterClass]] = {
         "eagle": EagleDrafter, "frozen_kv_mtp": FrozenKVMTPDrafter,
-        "draft_model": DraftModelDrafter}
+        "draft_model": DraftModelDrafter, "ngram": NgramDrafter}
     draft_classes: ClassVar[dict[str, DraftClass]] = {
         "eagle": EagleDraftModel, "frozen_kv_mtp": FrozenKVMTPDraftModel,
         "draft_model": StandaloneDraftModel}
@@ -105,7 +106,7 @@ class Engine:
         self.max_context_len = cfg.max_position_embeddings
         spec = config.spec
         draft = None
-        if spec is not None:
+        if spec is not None and spec.needs_draft_model:
             draft = self.draft_classes[spec.algorithm].load(
                 resolve_model_dir(spec.draft_model), self.model, _DTYPES[config.dtype],
                 config.device)

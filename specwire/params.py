@@ -10,7 +10,14 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-SPEC_ALGORITHMS = ("eagle", "frozen_kv_mtp", "draft_model")  # SpecConfig.algorithm's values
+# SpecConfig.algorithm's values
+SPEC_ALGORITHMS = ("eagle", "frozen_kv_mtp", "draft_model", "ngram")
+# The n-gram window: an ``ngram`` config looks up the context's last n tokens for n from
+# NGRAM_MAX down to NGRAM_MIN (vLLM's prompt_lookup_max/min). Fixed by the wire rather than
+# SpecConfig fields, so every other config serialises as before (golden traces and repro files
+# store ``asdict(SpecConfig)``).
+NGRAM_MIN = 1
+NGRAM_MAX = 3
 
 
 def require(ok: bool, name: str, message: str) -> None:
@@ -86,9 +93,12 @@ class SpecConfig:
     a chain (``topk == 1``) therefore needs ``num_draft_tokens == num_steps + 1``.
     ``algorithm="draft_model"`` (a standalone draft LM, e.g. ``tiny-code-draft``) drafts such a
     chain of ``num_steps`` tokens and runs sequentially (no overlap scheduling).
+    ``algorithm="ngram"`` (prompt lookup: the tokens that followed the latest earlier occurrence
+    of the context's last ``NGRAM_MAX``..``NGRAM_MIN`` tokens) drafts a chain with no model:
+    ``draft_model`` is ignored and stored as ``""``.
     """
 
-    algorithm: Literal["eagle", "frozen_kv_mtp", "draft_model"] = "eagle"
+    algorithm: Literal["eagle", "frozen_kv_mtp", "draft_model", "ngram"] = "eagle"
     draft_model: str = "tiny-code-eagle"
     num_steps: int = 3
     topk: int = 1
@@ -98,7 +108,10 @@ class SpecConfig:
     def __post_init__(self) -> None:
         require(self.algorithm in SPEC_ALGORITHMS, "algorithm",
                  f"must be one of {', '.join(SPEC_ALGORITHMS)}, got {self.algorithm!r}")
-        require(isinstance(self.draft_model, str) and bool(self.draft_model), "draft_model",
+        if not self.needs_draft_model:  # frozen dataclass: normalise once, here
+            object.__setattr__(self, "draft_model", "")
+        require(isinstance(self.draft_model, str)
+                 and (bool(self.draft_model) or not self.needs_draft_model), "draft_model",
                  f"must be a fixture name or a directory, got {self.draft_model!r}")
         require(is_int(self.num_steps) and self.num_steps >= 1, "num_steps",
                  f"must be an integer >= 1, got {self.num_steps!r}")
@@ -117,9 +130,15 @@ class SpecConfig:
                      f"got {self.num_draft_tokens}")
         require(isinstance(self.overlap, bool), "overlap",
                  f"must be a bool, got {self.overlap!r}")
-        if self.algorithm == "draft_model":
+        if self.algorithm in ("draft_model", "ngram"):
             require(self.topk == 1, "topk",
-                     f"draft_model speculation drafts a chain (topk=1), got {self.topk}")
+                     f"{self.algorithm} speculation drafts a chain (topk=1), got {self.topk}")
+        if self.algorithm == "draft_model":
             require(not self.overlap, "overlap",
                      "draft_model speculation runs sequentially; overlap scheduling is "
                      "not supported")
+
+    @property
+    def needs_draft_model(self) -> bool:
+        """Whether the algorithm loads ``draft_model`` (n-gram lookup has no model)."""
+        return self.algorithm != "ngram"

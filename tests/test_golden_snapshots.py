@@ -2,8 +2,8 @@
 
 Recording runs each trace's requests as `specgate golden record` does (the plain trace: the
 whole default prompt set at once), so the batch composition — and therefore every float — is
-the recorded one. The chain (S=3, N=4) traces run by default; the other configurations are
-`slow`.
+the recorded one. The chain (S=3, N=4) traces run by default; the other configurations (EAGLE
+trees, n-gram chains) are `slow`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from conformance.checks import golden
 from conformance.checks.golden_scenarios import SCENARIOS
 from conformance.run.specs import SPECS, config_id
 
-CONFIGS = [c for name in ("eagle", "eagle-tree") for c in SPECS[name].configs]
+CONFIGS = [c for name in ("eagle", "eagle-tree", "ngram") for c in SPECS[name].configs]
 CONFIG_PARAMS = [pytest.param(c, id=config_id(c), marks=() if i == 0 else pytest.mark.slow)
                  for i, c in enumerate(CONFIGS)]
 

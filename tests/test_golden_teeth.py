@@ -2,7 +2,8 @@
 mean-tau tolerance alone lets them through (bug-zoo mutants ``draft_position_shift``,
 ``tree_wrong_parent``, ``extend_padding_not_restaged``), and drafters that miss part of what
 the target saw, which only the chunked and session traces show (``draft_skips_non_final_chunks``,
-``session_drops_draft_kv``: the plain trace passes them)."""
+``session_drops_draft_kv``: the plain trace passes them), and n-gram contexts missing tokens
+(``ngram_context_skips_bonus``, ``ngram_context_from_last_chunk``)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,23 @@ def test_a_session_that_drops_the_draft_kv_is_caught_on_second_turns() -> None:
     problems = golden_problems("session_drops_draft_kv", SESSION_TURNS)
     assert any("verify step" in p for p in problems), problems
     assert all("-t1-" in p for p in problems if "verify step" in p), problems
+
+
+def test_an_ngram_context_without_the_bonus_is_caught_per_step() -> None:
+    """The n-gram context misses every step's bonus token: lookups end in a hole."""
+    problems = golden_problems("ngram_context_skips_bonus")
+    assert any("verify step" in p for p in problems), problems
+
+
+def test_an_ngram_context_from_the_last_chunk_is_caught_by_the_chunked_and_session_traces(
+        ) -> None:
+    """The n-gram context holds only the prefill that completed the request: a long prompt's
+    earlier chunks and, on a session's second turn, the inherited context are missing."""
+    chunked = golden_problems("ngram_context_from_last_chunk", CHUNKED)
+    assert any("verify step" in p for p in chunked), chunked
+    sessions = golden_problems("ngram_context_from_last_chunk", SESSION_TURNS)
+    assert any("verify step" in p for p in sessions), sessions
+    assert all("-t1-" in p for p in sessions if "verify step" in p), sessions
 
 
 @pytest.mark.slow

@@ -80,11 +80,14 @@ CONFIGS: dict[str, EngineConfig] = {
     "mtp": EngineConfig(spec=SpecConfig(**MTP)),
     "draft-model": EngineConfig(spec=SpecConfig(algorithm="draft_model",
                                                 draft_model="tiny-code-draft")),
+    "ngram": EngineConfig(spec=SpecConfig(algorithm="ngram")),
+    "ngram-overlap": EngineConfig(spec=SpecConfig(algorithm="ngram", overlap=True),
+                                  overlap_thread=False),
 }
 # The same steps through the graph runner (its staging and key choice, the draft loops and
 # EAGLE's extend graph): choosing a key reads lengths the host holds, never the device.
 GRAPHED = {f"{name}+graphs": replace(CONFIGS[name], cuda_graph=True, graph_executor="replay")
-           for name in ("plain", "eagle-chain", "eagle-tree", "mtp")}
+           for name in ("plain", "eagle-chain", "eagle-tree", "mtp", "ngram")}
 CONFIGS.update(GRAPHED)
 
 # Per algorithm: host round-trips in one steady-state decode step of four greedy requests, and
@@ -101,6 +104,8 @@ EXPECTED: dict[str, tuple[int, str]] = {
     "mtp": (1, "accepted"),
     "draft-model": (2, "accepted; the catch-up state (root tokens and lags, once: the draft's "
                        "first batch is built from the fill tokens they name)"),
+    "ngram": (1, "accepted (the lookup is tensor work from host-held roots)"),
+    "ngram-overlap": (1, "accepted"),
 }
 EXPECTED.update({name: EXPECTED[name.removesuffix("+graphs")] for name in GRAPHED})
 

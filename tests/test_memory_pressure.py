@@ -40,7 +40,7 @@ def test_the_widest_configuration_is_the_largest_per_step_kv_need() -> None:
     widest = {name: config_id(widest_config(spec.configs)) for name, spec in SPECS.items()}
     assert widest == {"none": "plain", "eagle": "chain-s5-n6", "eagle-tree": "tree-s5-k8-n16",
                       "eagle-v2": "tree-s3-k4-n8-v2", "mtp": "mtp-tree-s3-k4-n8",
-                      "draft-model": "draft-n6"}
+                      "draft-model": "draft-n6", "ngram": "ngram-n6"}
     tree = SpecConfig(algorithm="eagle", num_steps=5, topk=8, num_draft_tokens=16)
     assert step_kv_need(None) == 1
     assert step_kv_need(tree) == 40  # the draft tree's levels, past the 16-token verify block

@@ -240,6 +240,10 @@ class HFBackend:
         return Capabilities(algorithms=frozenset({"none", "draft_model"}), sampling=True,
                             seeded_sampling=True, acceptance_stats=True, reference_draft=True)
 
+    def unclaimed_reasons(self) -> dict[str, str]:
+        return {"algorithm:ngram": "transformers' prompt lookup decoding is not wired in: "
+                                   "assisted generation runs a draft model only"}
+
     def open(self, cfg: OpenConfig) -> HFHandle:
         spec = cfg.spec
         if spec is not None and spec.algorithm != "draft_model":

@@ -71,9 +71,10 @@ def lanes_for(spec: str, backends: list[str]) -> list[Lane]:
 
 def twin_of(config: SpecConfig) -> SpecConfig | None:
     """What a configuration is judged beside: overlap scheduling beside its sequential twin,
-    Frozen-KV MTP beside EAGLE at the same shape (equal N); None for the rest."""
+    Frozen-KV MTP and n-gram lookup beside EAGLE at the same shape (equal N); None for the
+    rest."""
     if config.overlap:
         return replace(config, overlap=False)
-    if config.algorithm == "frozen_kv_mtp":
+    if config.algorithm in ("frozen_kv_mtp", "ngram"):
         return replace(config, algorithm="eagle", draft_model="tiny-code-eagle")
     return None

@@ -98,7 +98,8 @@ def fragile_from(engine: Engine, prompt_ids: list[int], output_ids: list[int]) -
 
 def fixture_hashes(config: SpecConfig, model: str) -> dict[str, str]:
     manifest = json.loads((fixtures_root() / "MANIFEST.json").read_text())
-    wanted = (f"{model}/model.safetensors", f"{config.draft_model}/model.safetensors")
+    wanted = (f"{model}/model.safetensors",
+              *([f"{config.draft_model}/model.safetensors"] if config.needs_draft_model else []))
     return {k: manifest[k] for k in wanted if k in manifest}
 
 

@@ -109,7 +109,7 @@ def check_runnable(scenario: Scenario, source: str) -> None:
         try:
             model = resolve_model_dir(config.model)
             check_model_dir(model)
-            if config.spec is not None:
+            if config.spec is not None and config.spec.needs_draft_model:
                 check_draft_dir(resolve_model_dir(config.spec.draft_model))
             vocab = load_config(model).vocab_size
         except (OSError, ValueError) as err:

@@ -260,7 +260,8 @@ def _config(where: str, body: object) -> OpenConfig:
         for name in ("num_steps", "topk", "num_draft_tokens"):
             if name in spec_kwargs:
                 _count(f"{where}.spec.{name}", spec_kwargs[name], 1, LIMITS["name"])
-        if "draft_model" in spec_kwargs:
+        # "" names no draft (an n-gram config's); SpecConfig says where that is allowed.
+        if spec_kwargs.get("draft_model", "") != "":
             _string(f"{where}.spec.draft_model", spec_kwargs["draft_model"], LIMITS["text"])
         kwargs["spec"] = _build(f"{where}.spec", SpecConfig, spec_kwargs)
     for name in _CONFIG_INTS:

@@ -35,6 +35,10 @@ def _draft_model(steps: int) -> SpecConfig:
                       topk=1, num_draft_tokens=steps + 1)
 
 
+def _ngram(steps: int) -> SpecConfig:
+    return SpecConfig(algorithm="ngram", num_steps=steps, topk=1, num_draft_tokens=steps + 1)
+
+
 SPECS: dict[str, SpecChoice] = {
     "none": SpecChoice("none", "none", (None,)),
     # The configurations the issue pins: chain (S=3,N=4), (S=5,N=6); tree (S=3,k=4,N=8),
@@ -52,17 +56,22 @@ SPECS: dict[str, SpecChoice] = {
     # A standalone draft model (its own small Llama and KV) drafting a chain, at EAGLE's
     # chain lengths N=4 and N=6.
     "draft-model": SpecChoice("draft-model", "draft_model", (_draft_model(3), _draft_model(5))),
+    # N-gram lookup over the request's own context (no draft model), at the same chains.
+    "ngram": SpecChoice("ngram", "ngram", (_ngram(3), _ngram(5))),
 }
 
 
 def config_id(config: SpecConfig | None) -> str:
     """A short stable name for a configuration: ``plain``, ``chain-s3-n4``, ``tree-s3-k4-n8``,
-    with ``-v2`` for overlap scheduling; ``draft-n4`` for a draft model's chain of N=4."""
+    with ``-v2`` for overlap scheduling; ``draft-n4`` for a draft model's chain of N=4,
+    ``ngram-n4`` for an n-gram chain of N=4."""
     if config is None:
         return "plain"
     if config.algorithm == "draft_model":
         return f"draft-n{config.num_draft_tokens}"
     v2 = "-v2" if config.overlap else ""
+    if config.algorithm == "ngram":
+        return f"ngram-n{config.num_draft_tokens}{v2}"
     if config.algorithm == "frozen_kv_mtp":
         return "mtp-" + config_id(replace(config, algorithm="eagle"))
     if config.topk == 1:

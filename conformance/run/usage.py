@@ -31,7 +31,8 @@ def validate(spec: str, backends: list[str], model: str, draft_model: str | None
 
     try:
         drafts = {draft_model} if draft_model else {
-            c.draft_model for choice in resolve_specs(spec) for c in choice.configs if c}
+            c.draft_model for choice in resolve_specs(spec) for c in choice.configs
+            if c and c.needs_draft_model}
         loaded = [load_backend(name, launcher=True) for name in backends]
         check_model_dir(resolve_model_dir(model))
         for draft in sorted(drafts):

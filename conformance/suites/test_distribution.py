@@ -303,14 +303,18 @@ def smallest_detectable_fraction(p_null: np.ndarray, p_alt: np.ndarray, n: int) 
 
 def control_spec(sg: SuiteContext, request: pytest.FixtureRequest) -> SpecConfig:
     """Always a chain (S=3), with the certified spec's algorithm and draft model (EAGLE under
-    ``none``). A chain verifies one draft per node, so the control's bias is there to find; a
-    wide tree can cover the whole top-k support with children, where the residual bug has
-    (almost) nothing to bias and no test could have power. Under ``none`` the draft is
+    ``none`` and under n-gram lookup). A chain verifies one draft per node, so the control's
+    bias is there to find; a wide tree can cover the whole top-k support with children, where
+    the residual bug has (almost) nothing to bias and no test could have power. An n-gram
+    draft copies the prompt, and on the tier's short prompts what it copies lies outside the
+    nucleus (its first drafts are never accepted): the biased residual then emits the target
+    law itself and no control could have power there, so the control shows the procedure's
+    power with drafts that do land in it. Under ``none`` and n-gram the draft is
     ``--specgate-draft-model`` or the bundled head, which fits the bundled target only."""
     chain = SPECS["eagle"].configs[0]
     assert chain is not None, "the eagle spec's first configuration is the chain"
     spec = sg.spec.configs[0]
-    if spec is not None:
+    if spec is not None and spec.needs_draft_model:
         return replace(chain, algorithm=spec.algorithm, draft_model=spec.draft_model)
     draft = request.config.getoption("--specgate-draft-model")
     if draft:

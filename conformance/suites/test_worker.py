@@ -6,7 +6,8 @@ each verify accepts, so the edges happen on demand: every request finishing insi
 zero rows. Kinds and shapes: the state between steps is EAGLE's DraftInput ``[b, k]``/
 ``[b, H]`` or Frozen-KV MTP's SeedInput ``[b]``/``[b, H]`` (a draft that keeps no KV carries
 only the root token and the target's feature) or a standalone draft model's CatchUpInput
-``[b]``/``[b]`` (the root and how many positions its draft KV lacks), VerifyInput ``[b, N]``,
+``[b]``/``[b]`` (the root and how many positions its draft KV lacks) or n-gram lookup's
+NgramInput ``[b]``/``[b, W]`` (the root and the context it looks up), VerifyInput ``[b, N]``,
 DraftExtendInput ragged
 ``[sum(accepted + 1), H]``.
 """
@@ -31,7 +32,7 @@ def _spec(sg: SuiteContext) -> SpecConfig:
 
 
 STATE_KINDS = {"eagle": "DraftInput", "frozen_kv_mtp": "SeedInput",
-               "draft_model": "CatchUpInput"}
+               "draft_model": "CatchUpInput", "ngram": "NgramInput"}
 
 
 def _check_draft_input(rec: PhaseRecord, rows: int, spec: SpecConfig, hidden: int | None
@@ -44,6 +45,11 @@ def _check_draft_input(rec: PhaseRecord, rows: int, spec: SpecConfig, hidden: in
         return
     if spec.algorithm == "draft_model":  # the root and the positions its draft KV lacks
         assert rec.shapes == {"verified_id": (rows,), "behind": (rows,)}, rec
+        assert set(rec.dtypes.values()) == {"int64"}, rec
+        return
+    if spec.algorithm == "ngram":  # the root and its context, one token row per request
+        assert set(rec.shapes) == {"verified_id", "tokens"}, rec
+        assert rec.shapes["verified_id"] == (rows,) and rec.shapes["tokens"][0] == rows, rec
         assert set(rec.dtypes.values()) == {"int64"}, rec
         return
     assert rec.shapes == {"topk_p": (rows, spec.topk), "topk_index": (rows, spec.topk),

@@ -5,8 +5,8 @@ into the verify tree), the target verifies the tree in one forward writing the v
 reserved slots (``verify``), the accept rule (``accept.py``) picks each request's path, resolve
 commits it (``OutputProcessor``) and the drafter continues from the accepted runs (``extend``).
 What differs between algorithms is the drafter (``drafter.py``: EAGLE, Frozen-KV MTP, a
-standalone draft model); whether a step is resolved at once or one engine step late is the mode
-(``modes.py``: sequential, overlap).
+standalone draft model, n-gram lookup); whether a step is resolved at once or one engine step
+late is the mode (``modes.py``: sequential, overlap).
 
 The worker owns the batch's draft state (``DraftState``), which follows the batch through
 finish, abort and retraction; when every request finishes inside verify an idle state is
@@ -220,7 +220,11 @@ class SpeculativeWorker:
         self.draft_state.install([r.rid for r in reqs], state)
 
     def draft_extend(self, reqs: list[Req], accepted: DraftExtendInput) -> RowState:
-        state: RowState = self.drafter.extend(self.draft_step(reqs), accepted,
+        """The drafter's next state from the rows ``reqs`` drafted from: the state still
+        holds them (a sequential step's finished requests were dropped at resolve, an overlap
+        launch aligned it to its batch)."""
+        previous = self.draft_state.aligned([r.rid for r in reqs])
+        state: RowState = self.drafter.extend(self.draft_step(reqs), previous, accepted,
                                               self.runner.draft_extend)
         return state
 

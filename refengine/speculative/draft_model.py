@@ -96,7 +96,7 @@ class DraftModelDrafter:
         first = torch.argmax(logits, dim=-1)[:, None]
         return chain_search(first, features, self.spec.num_steps, forward)
 
-    def extend(self, step: DraftStep, accepted: DraftExtendInput,
+    def extend(self, step: DraftStep, state: CatchUpInput, accepted: DraftExtendInput,
                graph: DraftLoopGraph | None) -> CatchUpInput:
         """No forward: the root is each run's bonus token; a run of ``S + 1`` (the whole
         chain accepted) leaves ``d_S``'s position behind."""

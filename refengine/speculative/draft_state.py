@@ -1,6 +1,6 @@
 """DraftState: the running batch's per-request draft state (EAGLE's ``DraftInput``, Frozen-KV
-MTP's ``SeedInput``, a standalone draft model's ``CatchUpInput``) and which request each row
-belongs to.
+MTP's ``SeedInput``, a standalone draft model's ``CatchUpInput``, n-gram lookup's
+``NgramInput``) and which request each row belongs to.
 
 Rows follow the batch: ``aligned`` filters them to the requests about to decode (in that
 order), ``drop`` removes a request that finished, aborted or was retracted, ``add`` merges the
@@ -12,9 +12,10 @@ per-request state may be installed (never a ``VerifyInput``): those are the phas
 from __future__ import annotations
 
 from refengine.device import from_host
-from refengine.speculative.inputs import CatchUpInput, DraftInput, SeedInput
+from refengine.speculative.inputs import CatchUpInput, DraftInput, NgramInput, SeedInput
 
-RowState = DraftInput | SeedInput | CatchUpInput  # what a worker keeps per request between steps
+# what a worker keeps per request between steps
+RowState = DraftInput | SeedInput | CatchUpInput | NgramInput
 
 
 class DraftState:

@@ -2,9 +2,10 @@
 
 A drafter proposes the tokens a decode step verifies and keeps per-request state between steps
 (a ``RowState``: EAGLE's ``DraftInput``, Frozen-KV MTP's ``SeedInput``, a standalone draft
-model's ``CatchUpInput``); the core (``SpeculativeWorker``) owns that state's rows, the verify
-forward, the accept rule and the overlap mode. A drafter runs forwards only through the
-``ModelRunner`` and writes KV only into the reserved slots a ``DraftStep`` hands it.
+model's ``CatchUpInput``, n-gram lookup's ``NgramInput``); the core (``SpeculativeWorker``) owns
+that state's rows, the verify forward, the accept rule and the overlap mode. A drafter runs
+forwards only through the ``ModelRunner`` and writes KV only into the reserved slots a
+``DraftStep`` hands it.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class Drafter(Protocol[State]):
     def eager_search(self, step: DraftStep, state: State) -> LoopOutput:
         """The step's draft, forward by forward: a chain's tokens or a beam's candidates."""
 
-    def extend(self, step: DraftStep, accepted: DraftExtendInput,
+    def extend(self, step: DraftStep, state: State, accepted: DraftExtendInput,
                graph: DraftLoopGraph | None) -> State:
-        """After verify: the next state of ``step``'s requests from their accepted runs
-        (``graph``: an extend graph to replay, where the drafter has one)."""
+        """After verify: the next state of ``step``'s requests from ``state`` (their rows the
+        step drafted from) and their accepted runs (``graph``: an extend graph to replay, where
+        the drafter has one)."""

@@ -112,7 +112,7 @@ class EagleDrafter:
 
     # --- extend -------------------------------------------------------------------------------
 
-    def extend(self, step: DraftStep, accepted: DraftExtendInput,
+    def extend(self, step: DraftStep, state: DraftInput, accepted: DraftExtendInput,
                graph: DraftLoopGraph | None) -> DraftInput:
         """The head over each request's accepted positions (ending at its root): replayed by
         ``graph`` when it takes the batch, else forward by forward."""

@@ -89,7 +89,7 @@ class FrozenKVMTPDrafter:
             return self.runner.forward_frozen_draft(batch, tokens, hidden)
         return search(topk_p, topk_index, hidden, self.spec.num_steps, forward)
 
-    def extend(self, step: DraftStep, accepted: DraftExtendInput,
+    def extend(self, step: DraftStep, state: SeedInput, accepted: DraftExtendInput,
                graph: DraftLoopGraph | None) -> SeedInput:
         """No forward: each request's seed is its run's last (token, feature) pair."""
         last = torch.cumsum(accepted.accept_lens, 0) - 1

@@ -9,7 +9,8 @@ Shapes (``b`` requests, ``k`` = topk, ``N`` = num_draft_tokens incl. the root, `
   ``verified_id [b] int64`` (the root: the newest emitted token, whose KV is not yet written).
   It follows the batch through ``filter_batch`` (finish, abort, retract) and ``merge_batch``
   (newly prefilled requests); every per-request tensor is filtered and merged together.
-  Frozen-KV MTP keeps a ``SeedInput`` instead, a standalone draft model a ``CatchUpInput``.
+  Frozen-KV MTP keeps a ``SeedInput`` instead, a standalone draft model a ``CatchUpInput``,
+  n-gram speculation an ``NgramInput``.
 * ``VerifyInput`` — lives inside one step only, so it has no filter/merge (bug class
   all-finish-in-verify: a leftover VerifyInput on the batch crashed the next merge):
   ``draft_tokens [b, N]`` (node 0 = root),
@@ -113,6 +114,23 @@ class CatchUpInput(_PerRequestRows):
     def idle(cls, device: torch.device | str) -> CatchUpInput:
         return cls(torch.empty((0,), dtype=torch.int64, device=device),
                    torch.empty((0,), dtype=torch.int64, device=device))
+
+
+@dataclass
+class NgramInput(_PerRequestRows):
+    """N-gram speculation's state between steps: per request the root (``verified_id [b]
+    int64``) and its context, every token up to and including the root at its position
+    (``tokens [b, W] int64``, W: the context limit plus the verify block; zero past the root).
+    The drafter keeps the context itself: an overlap launch cannot read the request's output,
+    which lags by the unresolved step, so it follows the accepted runs as they are launched."""
+
+    verified_id: torch.Tensor
+    tokens: torch.Tensor
+
+    @classmethod
+    def idle(cls, width: int, device: torch.device | str) -> NgramInput:
+        return cls(torch.empty((0,), dtype=torch.int64, device=device),
+                   torch.empty((0, width), dtype=torch.int64, device=device))
 
 
 @dataclass

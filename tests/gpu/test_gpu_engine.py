@@ -41,6 +41,8 @@ CASES: dict[str, SpecConfig | None] = {
     "mtp-chain": SPECS["mtp"].configs[0],
     "mtp-tree": SPECS["mtp"].configs[1],
     "draft-model": SPECS["draft-model"].configs[0],
+    "ngram": SPECS["ngram"].configs[0],
+    "ngram-v2": SpecConfig(algorithm="ngram", num_steps=3, num_draft_tokens=4, overlap=True),
 }
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n\n", "class Stack:\n    def push(self, x):",
            "for i in range(10):\n    print(i"]

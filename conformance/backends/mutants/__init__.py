@@ -12,9 +12,10 @@ These model bug classes from production engines (``docs/bug-classes.md``): leake
 request rows, stale state after retraction, off-by-one length checks, dropped stop conditions,
 ignored sampling seeds, batch-dependent attention, stale graph padding (a mutant that opens
 with the graph runner on, ``Mutant.graphs``), lossless draft-side regressions that only
-acceptance shows (the golden tier's per-step check); and speculative-sampling bugs that only
-show in the distribution of sampled tokens: ``biased_verify_sampler`` (the distribution tier's
-negative control) and verify paths that misapply top-p or temperature. Mutants of shared code
+acceptance shows (the golden tier's per-step check; n-gram contexts missing tokens among
+them); and speculative-sampling bugs that only show in the distribution of sampled tokens:
+``biased_verify_sampler`` (the distribution tier's negative control) and verify paths that
+misapply top-p or temperature. Mutants of shared code
 written as source patches live in ``source_patches.py``. A mutant with ``spec`` other than
 "none" behaves exactly like the reference engine under plain decoding.
 """
@@ -46,6 +47,7 @@ from conformance.backends.mutants.memory import (
     RetractStaleCommitted,
     RoomCountsVerifyBlockOnly,
 )
+from conformance.backends.mutants.ngram import NgramContextFromLastChunk, NgramContextSkipsBonus
 from conformance.backends.mutants.overlap import (
     AbortLeaksReservation,
     LateCommit,
@@ -184,6 +186,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            killed_by="test_golden.py::test_chunked_acceptance_matches_golden[chain-s3-n4]"),
     Mutant("session_drops_draft_kv", SessionDropsDraftKV, spec="eagle",
            killed_by="test_golden.py::test_session_acceptance_matches_golden[chain-s3-n4]"),
+    Mutant("ngram_context_skips_bonus", NgramContextSkipsBonus, spec="ngram",
+           killed_by="test_golden.py::test_acceptance_matches_golden[ngram-n4]"),
+    Mutant("ngram_context_from_last_chunk", NgramContextFromLastChunk, spec="ngram",
+           killed_by="test_golden.py::test_chunked_acceptance_matches_golden[ngram-n4]"),
 ]}
 
 

@@ -91,9 +91,9 @@ class MTPAllFinishLeavesVerifyInput(Engine):
 
 
 class _ExtendPhaseConfusion(EagleDrafter):
-    def extend(self, step: DraftStep, accepted: DraftExtendInput,
+    def extend(self, step: DraftStep, previous: DraftInput, accepted: DraftExtendInput,
                graph: DraftLoopGraph | None) -> DraftInput:
-        state = super().extend(step, accepted, graph)
+        state = super().extend(step, previous, accepted, graph)
         last = torch.cumsum(accepted.accept_lens, 0) - 1
         # The per-accepted-token target features (draft-extend phase) reused as the next draft
         # phase's hidden state: shapes line up, meaning does not.
@@ -236,9 +236,9 @@ class TreeWrongParent(Engine):
 
 
 class _CatchUpSkipped(DraftModelDrafter):
-    def extend(self, step: DraftStep, accepted: DraftExtendInput,
+    def extend(self, step: DraftStep, state: CatchUpInput, accepted: DraftExtendInput,
                graph: DraftLoopGraph | None) -> CatchUpInput:
-        caught = super().extend(step, accepted, graph)
+        caught = super().extend(step, state, accepted, graph)
         return CatchUpInput(caught.verified_id, torch.zeros_like(caught.behind))
 
 

@@ -67,7 +67,7 @@ class RefEngineBackend:
 
     def capabilities(self) -> Capabilities:
         return Capabilities(algorithms=frozenset({"none", "eagle", "frozen_kv_mtp",
-                                                  "draft_model"}), tree=True,
+                                                  "draft_model", "ngram"}), tree=True,
                             sampling=True, seeded_sampling=True,
                             stepwise=True, abort=True, memory_view=True, acceptance_stats=True,
                             reference_draft=True, worker_hooks=True, forced_retract=True,
