@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
@@ -184,7 +185,7 @@ def test_fuzzed_sidecars_and_markers_are_rebuilt_never_believed(
     """A sidecar or loading marker damaged any way (values, bytes, deep nesting, huge
     integers): the next load either runs the package on its own constants or rebuilds it,
     with at most one line, and never raises."""
-    root = tmp_path / data.draw(st.uuids()).hex
+    root = Path(tempfile.mkdtemp(dir=tmp_path))  # fresh each example (not a draw: replays)
     PackageCache(root).load_or_build(KEY, with_constants({"w": torch.arange(4.0)}))
     package = root / "aot" / KEY.file_name()
     marker = root / "aot" / "loading" / f"{package.name}.{os.getpid()}"
