@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     gold.add_argument("--trace", action="append", choices=list(SCENARIOS), default=None,
                       help="only this trace of each configuration (repeatable; default: all)")
     gold.add_argument("--model", default="tiny-code", help="fixture name or model directory")
+    gold.add_argument("--draft-model", default=None,
+                      help="a bundled draft fixture in place of the spec's own (one --spec): "
+                           "its traces are kept under golden/<config>@<draft model>")
     gold.set_defaults(func=cmd_golden)
 
     expect = sub.add_parser("expected", formatter_class=fmt,

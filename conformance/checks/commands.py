@@ -13,19 +13,33 @@ if TYPE_CHECKING:
     from conformance.contract import SpecConfig
 
 
-def _golden_configs(spec: str) -> list[SpecConfig]:
+def _golden_configs(spec: str, draft_model: str | None = None) -> list[SpecConfig]:
+    """The spec's configurations with traces of their own; with ``draft_model``, drafting
+    with that bundled model instead (its traces sit under ``<config>@<draft model>``)."""
+    from conformance.checks.golden import golden_path
     from conformance.run.specs import resolve_specs
 
     try:
         choices = resolve_specs(spec)
     except ValueError as err:
         raise UsageError(str(err)) from None
+    if draft_model is not None:
+        if len(choices) != 1 or not any(c is not None and c.needs_draft_model
+                                        for c in choices[0].configs):
+            raise UsageError(f"--draft-model: needs one --spec whose configurations have a "
+                             f"draft model, got --spec {spec}")
+        choices = [choices[0].with_draft_model(draft_model)]
     # Overlap configurations are held to their sequential twins' traces (golden_path).
     configs = [c for choice in choices for c in choice.configs
                if c is not None and not c.overlap]
     if not configs:
         raise UsageError(f"--spec {spec}: has no acceptance traces of its own (plain decoding "
                          "has none; overlap configurations use their sequential twins')")
+    try:
+        for config in configs:
+            golden_path(config, "default")  # a draft model traces can be named by
+    except ValueError as err:
+        raise UsageError(f"--draft-model: {err}") from None
     return configs
 
 
@@ -34,10 +48,9 @@ def cmd_golden(args: argparse.Namespace) -> int:
     from conformance.checks.golden_scenarios import SCENARIOS
     from conformance.report.progress import Steps
     from conformance.run.prompts import load_prompt_set
-    from conformance.run.specs import config_id
 
-    validate("none", [], args.model)
-    configs = _golden_configs(args.spec)
+    validate("none", [], args.model, args.draft_model)
+    configs = _golden_configs(args.spec, args.draft_model)
     try:
         load_prompt_set(args.prompt_set, args.model)
     except FileNotFoundError as err:
@@ -48,12 +61,13 @@ def cmd_golden(args: argparse.Namespace) -> int:
     with Steps(f"golden {args.action}", len(runs)) as steps:
         for config, scenario in runs:
             name = scenario.trace_name(args.prompt_set)
-            steps.start(f"{config_id(config)} on {name}")
+            label = golden.trace_dir_name(config)
+            steps.start(f"{label} on {name}")
             trace = golden.record(config, args.prompt_set, args.model, args.max_new_tokens,
                                   scenario)
             path = golden.golden_path(config, name)
             s = trace.summary
-            line = (f"{config_id(config)} {name}: mean tau {s['mean_tau']}, per-position "
+            line = (f"{label} {name}: mean tau {s['mean_tau']}, per-position "
                     f"acceptance {s['per_position_acceptance']}, {s['verify_steps']} verify "
                     "steps")
             if args.action == "record":
@@ -63,7 +77,7 @@ def cmd_golden(args: argparse.Namespace) -> int:
                 steps.done(f"written, mean tau {s['mean_tau']}")
                 continue
             if not path.exists():
-                print(f"{config_id(config)} {name}: MISSING {path}", flush=True)
+                print(f"{label} {name}: MISSING {path}", flush=True)
                 steps.done("MISSING")
                 failed += 1
                 continue

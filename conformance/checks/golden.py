@@ -1,14 +1,21 @@
 """Golden acceptance traces: record, load, compare.
 
-``golden/<config>/<trace>.json`` holds, per request, the greedy output, the tokens emitted
-per verify step (``accept_lens``) and ``fragile_from``: the first output index where the
-target's top-2 logit margin is below ``FRAGILE_MARGIN`` — from there on a numerically different
-(but correct) implementation may legitimately choose the other token. Traces catch draft-side
-regressions that output checks cannot see: a worse draft is still lossless, only slower.
+``golden/<config>[@<draft model>]/<trace>.json`` holds, per request, the greedy output, the
+tokens emitted per verify step (``accept_lens``) and ``fragile_from``: the first output index
+where the target's top-2 logit margin is below ``FRAGILE_MARGIN`` — from there on a
+numerically different (but correct) implementation may legitimately choose the other token.
+Traces catch draft-side regressions that output checks cannot see: a worse draft is still
+lossless, only slower.
 A prompt set has a trace per scenario (``golden_scenarios``): the set in one batch, its long
 prompts under chunked prefill (the trace's ``max_prefill_tokens``), and two-turn sessions
 (a turn's ``session_id``; its ``prompt_ids`` are the turn's new tokens). A session turn after
 one with a fragile position is fragile from 0: its context may legitimately differ.
+
+A configuration drafting with the draft model the suite's specs name for its algorithm
+(``tiny-code-eagle`` for EAGLE) keeps its traces under ``<config>``; one drafting with another
+bundled head (``certify|golden --draft-model``, e.g. ``tiny-code-eagle-vllm``) under
+``<config>@<draft model>``, beside them, so a backend running that head is held to that head's
+traces and never to another's.
 
 Files are written only by ``specgate golden record`` (serially, in one process). The engine's
 own tests compare exactly (syrupy, ``GoldenExtension``); other backends that claim
@@ -25,9 +32,9 @@ from pathlib import Path
 from conformance.checks.golden_scenarios import PLAIN, Planned, Scenario, sessions_of, waves
 from conformance.checks.oracle import top2_margins
 from conformance.run.prompts import load_prompt_set
-from conformance.run.specs import config_id
+from conformance.run.specs import SPECS, config_id
 from refengine import Engine, EngineConfig, FinishEvent, SamplingParams, SpecConfig
-from refengine.data import fixtures_root, golden_root
+from refengine.data import fixture_names, fixtures_root, golden_root
 
 SCHEMA_VERSION = 1
 FRAGILE_MARGIN = 1e-3     # logits: a closer top-2 is a near-tie
@@ -152,20 +159,45 @@ def record(config: SpecConfig, prompt_set: str, model: str = "tiny-code",
                        scenario.max_prefill_tokens)
 
 
+def suite_draft_model(algorithm: str) -> str:
+    """The draft model the suite's spec configurations name for ``algorithm`` ("" if none)."""
+    return next((c.draft_model for choice in SPECS.values() for c in choice.configs
+                 if c is not None and c.algorithm == algorithm), "")
+
+
+def trace_dir_name(config: SpecConfig) -> str:
+    """The directory of ``config``'s traces: its sequential twin's id (overlap scheduling
+    changes when a step's result is applied, not what is drafted or accepted), with
+    ``@<draft model>`` when it drafts with another bundled model than the suite's own.
+    ValueError for a draft model that is not a bundled fixture: traces name their head."""
+    name = config_id(replace(config, overlap=False))
+    draft = config.draft_model
+    if not config.needs_draft_model or draft == suite_draft_model(config.algorithm):
+        return name
+    if draft not in fixture_names():
+        raise ValueError(f"draft model {draft!r}: golden traces are kept for bundled fixtures "
+                         f"only (known: {', '.join(fixture_names())})")
+    return f"{name}@{draft}"
+
+
 def golden_path(config: SpecConfig, name: str, root: Path | None = None) -> Path:
-    """``name``: a trace's (``Scenario.trace_name``). Overlap scheduling changes when a step's
-    result is applied, not what is drafted or accepted: an overlap configuration is held to
-    its sequential twin's trace."""
-    twin = replace(config, overlap=False)
-    return (root or golden_root()) / config_id(twin) / f"{name}.json"
+    """``name``: a trace's (``Scenario.trace_name``), under ``trace_dir_name(config)``."""
+    return (root or golden_root()) / trace_dir_name(config) / f"{name}.json"
 
 
 def load(config: SpecConfig, name: str) -> GoldenTrace:
+    """The trace of ``config`` (FileNotFoundError if none was recorded; ValueError if the file
+    there was recorded with another draft model than ``config``'s)."""
     path = golden_path(config, name)
     if not path.exists():
         raise FileNotFoundError(f"no golden trace {path} (record it with `specgate golden "
                                 "record`)")
-    return GoldenTrace.from_json(path.read_text())
+    trace = GoldenTrace.from_json(path.read_text())
+    recorded = trace.spec.get("draft_model")
+    if config.needs_draft_model and recorded != config.draft_model:
+        raise ValueError(f"golden trace {path} was recorded with draft model {recorded!r}, "
+                         f"not {config.draft_model!r}")
+    return trace
 
 
 def comparable_steps(accept_lens: list[int], upto: int) -> int:

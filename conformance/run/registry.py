@@ -16,9 +16,10 @@ BUILTIN = {  # so a checkout works before `pip install -e .` registers the entry
     "refengine": "conformance.backends.refengine:backend",
     "hf": "conformance.backends.hf:backend",
     "ctranslate2": "conformance.backends.ctranslate2.backend:backend",
+    "vllm": "conformance.backends.vllm:backend",
 }
 # bundled backends whose libraries are an optional extra of specgate
-EXTRAS = {"hf": "hf", "ctranslate2": "ctranslate2"}
+EXTRAS = {"hf": "hf", "ctranslate2": "ctranslate2", "vllm": "vllm"}
 
 
 # module:factory as the command line may give it: dotted identifiers, no relative import
@@ -88,6 +89,11 @@ def load_backend(spec: str, launcher: bool = False) -> Backend:
     try:
         backend = (factory() if callable(factory) and not isinstance(factory, Backend)
                    else factory)
+    except ImportError as err:  # a factory that imports its library late (vllm): name it
+        line = _line(err)
+        if spec in EXTRAS and "pip install" not in line:
+            line += f"; install it with: pip install 'specgate[{EXTRAS[spec]}]'"
+        raise BackendError(f"backend {spec!r}: {line}") from None
     except Exception as err:
         raise BackendError(f"backend {spec!r}: {target}() raised {type(err).__name__}: "
                            f"{_line(err)}") from None

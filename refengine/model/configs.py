@@ -1,6 +1,6 @@
 """The hyper-parameters of the models the engine loads, read from their config.json (HF names):
-the Llama target (also an EAGLE head's layer and a standalone draft model) and the Frozen-KV
-MTP assistant. Parsing only; ``loader`` reads the files."""
+the Llama target (also an EAGLE head's layer and a standalone draft model), an EAGLE head's
+layout and the Frozen-KV MTP assistant. Parsing only; ``loader`` reads the files."""
 
 from __future__ import annotations
 
@@ -48,6 +48,56 @@ class ModelConfig:
             raise ValueError(f"{source}: missing field {missing}") from None
         except (TypeError, ValueError) as err:  # e.g. "hidden_size": null or "x"
             raise ValueError(f"{source}: bad field value ({err})") from None
+
+
+EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"  # specgate's head: both norms unless config says
+EAGLE_VLLM_ARCHITECTURE = "EagleLlamaForCausalLM"  # vLLM's EAGLE-1 Llama head: neither norm
+EAGLE_ARCHITECTURES = (EAGLE_ARCHITECTURE, EAGLE_VLLM_ARCHITECTURE)
+EAGLE_NORM_KEYS = {"input_norm": "eagle_input_norm", "final_norm": "eagle_final_norm"}
+EAGLE_NORM_WEIGHTS = {"input_norm": "layers.0.input_layernorm.weight",
+                      "final_norm": "norm.weight"}
+
+
+def architectures(raw: dict) -> list[str]:
+    """config.json's ``architectures`` as a list of names ([] when absent or not a list)."""
+    names = raw.get("architectures")
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
+
+@dataclass(frozen=True)
+class EagleLayout:
+    """Which RMSNorms an EAGLE head has around its one decoder layer.
+
+    specgate's layout (``LlamaForCausalLMEagle``, the default) normalises the layer's input and
+    its output (the predicted feature). vLLM's EAGLE-1 Llama head (``EagleLlamaForCausalLM``)
+    has neither: layer 0 reads ``fc``'s output as it is and the head returns the residual sum,
+    which the LM head reads and the next draft step is fed. config.json says which with
+    ``eagle_input_norm`` / ``eagle_final_norm`` (booleans; defaults: true, or false under
+    vLLM's architecture, which cannot have them). A norm that is absent stores no weight.
+    """
+
+    input_norm: bool = True
+    final_norm: bool = True
+
+    @property
+    def norm_weights(self) -> dict[str, bool]:
+        """Each norm's weight name in the checkpoint -> whether this layout stores it."""
+        return {EAGLE_NORM_WEIGHTS[field]: getattr(self, field) for field in EAGLE_NORM_WEIGHTS}
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: Path) -> EagleLayout:
+        vllm = EAGLE_VLLM_ARCHITECTURE in architectures(raw)
+        flags: dict[str, bool] = {}
+        for field, key in EAGLE_NORM_KEYS.items():
+            value = raw.get(key, not vllm)
+            if not isinstance(value, bool):
+                raise ValueError(f"{source}: {key} must be true or false, got {value!r}")
+            if vllm and value:
+                raise ValueError(f"{source}: {key} is true, but architecture "
+                                 f"{EAGLE_VLLM_ARCHITECTURE!r} (vLLM's EAGLE-1 layout) has no "
+                                 "such norm")
+            flags[field] = value
+        return cls(**flags)
 
 
 MTP_ARCHITECTURE = "FrozenKVMTPAssistant"

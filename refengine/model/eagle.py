@@ -4,6 +4,14 @@ Checkpoint layout (``config.json`` with ``architectures: ["LlamaForCausalLMEagle
 ``fc.weight [H, 2H]``, ``layers.0.*`` (a Llama decoder layer, HF names), ``norm.weight``.
 The token embedding, the LM head and the rotary tables are the target's (shared, not stored).
 
+The two norms are the head's layout (``EagleLayout``, read from config.json): without
+``eagle_input_norm`` the layer's attention reads ``fc``'s output as it is and
+``layers.0.input_layernorm.weight`` is not stored; without ``eagle_final_norm`` the predicted
+feature is the layer's output itself and ``norm.weight`` is not stored. vLLM's EAGLE-1 Llama
+head (``architectures: ["EagleLlamaForCausalLM"]``) has neither. Every path that runs the head
+(the eager forward, the graph runner's draft loops through ``fuse``/``layer``/``predict``)
+runs the modules built here, so all of them follow the layout.
+
 Semantics: a row at position p takes the target's feature ``f_p`` (its final-norm output, what
 the LM head reads) and the token ``x_{p+1}``, writes the draft's KV for position p, and predicts
 ``f_{p+1}``; the shared LM head turns that into the distribution of ``x_{p+2}``. During drafting
@@ -17,6 +25,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from refengine.model.configs import (
+    EAGLE_ARCHITECTURE,
+    EAGLE_ARCHITECTURES,
+    EagleLayout,
+    architectures,
+)
 from refengine.model.llama import (
     DecoderLayer,
     ForwardBatch,
@@ -28,22 +42,27 @@ from refengine.model.llama import (
 from refengine.model.loader import (
     DRAFT_FILES,
     ModelConfig,
+    check_state_dict,
     load_weights,
     read_config_json,
     require_files,
 )
 from refengine.model.weight_layout import place_for_decoding
 
-EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
+__all__ = ["EAGLE_ARCHITECTURE", "EAGLE_ARCHITECTURES", "EagleDraftModel", "EagleLayout"]
 
 
 class EagleDraftModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, target: LlamaForCausalLM) -> None:
+    def __init__(self, cfg: ModelConfig, target: LlamaForCausalLM,
+                 layout: EagleLayout | None = None) -> None:
+        """``layout``: which norms the head has (None: both, specgate's layout)."""
         super().__init__()
-        self.config = cfg
+        layout = layout if layout is not None else EagleLayout()
+        self.config, self.layout = cfg, layout
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, 0)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, 0, input_norm=layout.input_norm)])
+        self.norm: nn.Module = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if layout.final_norm
+                                else nn.Identity())
         # The target's embedding, LM head and rotary tables, set past nn.Module.__setattr__ so
         # they are not registered as submodules: they are the target's parameters, not part of
         # the head's state dict.
@@ -66,7 +85,8 @@ class EagleDraftModel(nn.Module):
                                   features.to(self.fc.weight.dtype)], dim=-1))
 
     def predict(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decoder-layer output -> (logits float32, predicted features)."""
+        """Decoder-layer output -> (logits float32, predicted features): the final norm's
+        output, or the layer's output itself in a layout without one."""
         predicted = self.norm(x)
         return self.target_lm_head(predicted).float(), predicted
 
@@ -89,17 +109,19 @@ class EagleDraftModel(nn.Module):
              device: str) -> EagleDraftModel:
         require_files(path, DRAFT_FILES, "draft model")
         raw = read_config_json(path)
-        if EAGLE_ARCHITECTURE not in raw.get("architectures", []):
-            raise ValueError(f"{path / 'config.json'}: architectures must include "
-                             f"{EAGLE_ARCHITECTURE!r}, got {raw.get('architectures')}")
+        if not set(EAGLE_ARCHITECTURES) & set(architectures(raw)):
+            raise ValueError(f"{path / 'config.json'}: architectures must include one of "
+                             f"{list(EAGLE_ARCHITECTURES)}, got {raw.get('architectures')}")
         cfg = ModelConfig.from_dict(raw, path / "config.json")
+        layout = EagleLayout.from_dict(raw, path / "config.json")
         tcfg = target.config
         if (cfg.hidden_size, cfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
             raise ValueError(f"{path}: draft hidden/vocab {cfg.hidden_size}/{cfg.vocab_size} do "
                              f"not match the target's {tcfg.hidden_size}/{tcfg.vocab_size}")
-        model = cls(cfg, target).to(dtype)
-        missing, unexpected = model.load_state_dict(load_weights(path, dtype), strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{path / 'model.safetensors'}: not an EAGLE head (missing "
-                             f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+        model = cls(cfg, target, layout).to(dtype)
+        weights = load_weights(path, dtype)
+        check_state_dict(path, model, weights,
+                         f"not an EAGLE head of the layout config.json declares "
+                         f"(input norm {layout.input_norm}, final norm {layout.final_norm})")
+        model.load_state_dict(weights)
         return place_for_decoding(model, device)

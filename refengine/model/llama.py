@@ -143,9 +143,12 @@ class DecoderLayer(nn.Module):
     """A pre-norm decoder layer. Its forward is ``project``, the KV write, ``finish``; a
     compiled graph may put the write between the two itself."""
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, input_norm: bool = True) -> None:
+        """``input_norm=False``: the attention reads the layer's input as it is (an identity in
+        place of ``input_layernorm``, no weight), as vLLM's EAGLE-1 head's layer 0 does."""
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm: nn.Module = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+                                           if input_norm else nn.Identity())
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)

@@ -15,7 +15,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from refengine.model.configs import MTP_ARCHITECTURE, FrozenKVMTPConfig, ModelConfig
+from refengine.model.configs import (
+    EAGLE_ARCHITECTURES,
+    MTP_ARCHITECTURE,
+    EagleLayout,
+    FrozenKVMTPConfig,
+    ModelConfig,
+    architectures,
+)
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 DRAFT_FILES = ("config.json", "model.safetensors")  # a draft head uses the target's tokenizer
@@ -130,14 +137,34 @@ def check_model_dir(path: Path) -> None:
 
 def check_draft_dir(path: Path) -> None:
     """``check_model_dir`` for a draft directory (an EAGLE head or a Frozen-KV MTP assistant),
-    which has no tokenizer of its own."""
+    which has no tokenizer of its own. An EAGLE head's norm weights are checked against the
+    layout its config.json declares (``EagleLayout``), from the header alone."""
     require_files(path, DRAFT_FILES, "draft model")
     raw = read_config_json(path)
     if MTP_ARCHITECTURE in raw.get("architectures", []):
         FrozenKVMTPConfig.from_dict(raw, path / "config.json")
-    else:
-        ModelConfig.from_dict(raw, path / "config.json")
+        check_safetensors_header(path / "model.safetensors")
+        return
+    ModelConfig.from_dict(raw, path / "config.json")
+    eagle = bool(set(EAGLE_ARCHITECTURES) & set(architectures(raw)))
+    layout = EagleLayout.from_dict(raw, path / "config.json") if eagle else None
     check_safetensors_header(path / "model.safetensors")
+    if layout is not None:  # not a standalone draft model (a whole Llama, checked as one)
+        check_eagle_norms(path, layout)
+
+
+def check_eagle_norms(path: Path, layout: EagleLayout) -> None:
+    """A one-line ValueError when the head's safetensors header stores a norm weight its
+    layout has not, or lacks one it has (a head converted to another layout without its
+    config.json saying so)."""
+    header, _ = _read_safetensors_header(path / "model.safetensors")
+    names = set(header) if isinstance(header, dict) else set()
+    for name, stored in layout.norm_weights.items():
+        if stored != (name in names):
+            raise ValueError(f"{path / 'model.safetensors'}: {'lacks' if stored else 'stores'} "
+                             f"{name}, but config.json declares an EAGLE layout "
+                             f"{'with' if stored else 'without'} that norm (input norm "
+                             f"{layout.input_norm}, final norm {layout.final_norm})")
 
 
 def read_config_json(path: Path) -> dict[str, Any]:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import ctranslate2
+
+from conformance.backends.converted import converted_once
 
 CACHE_ENV = "SPECGATE_CACHE"   # the cache root; default $XDG_CACHE_HOME/specgate or ~/.cache/...
 COMPUTE_TYPE = "float32"       # what refengine computes in, so greedy outputs can be compared
@@ -42,22 +42,8 @@ def content_key(source: Path) -> str:
 
 def converted_model_dir(source: Path) -> Path:
     """The CTranslate2 model of ``source`` (an HF directory), converting it on first use."""
-    target = cache_root() / content_key(source)
-    if target.is_dir():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        _convert(source, staging)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not target.is_dir():
-                raise
-            # another process renamed its conversion into place first: keep that one
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return converted_once(cache_root() / content_key(source),
+                          lambda staging: _convert(source, staging))
 
 
 def _convert(source: Path, out: Path) -> None:
