@@ -5,6 +5,7 @@ in another engine's layout (``ctranslate2/convert.py``, ``vllm/layout.py``)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -29,3 +30,15 @@ def converted_once(target: Path, convert: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def files_digest(source: Path, salt: str, length: int) -> str:
+    """sha256 over ``salt`` and every file of ``source`` (name, size, bytes), cut to ``length``
+    hex digits: a converted copy's key, so any change to the source makes a new one."""
+    digest = hashlib.sha256(salt.encode())
+    for path in sorted(p for p in source.iterdir() if p.is_file()):
+        digest.update(f"\0{path.name}\0{path.stat().st_size}\0".encode())
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:length]

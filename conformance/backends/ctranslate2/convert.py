@@ -10,13 +10,12 @@ first rename wins and the other discards its copy.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 import ctranslate2
 
-from conformance.backends.converted import converted_once
+from conformance.backends.converted import converted_once, files_digest
 
 CACHE_ENV = "SPECGATE_CACHE"   # the cache root; default $XDG_CACHE_HOME/specgate or ~/.cache/...
 COMPUTE_TYPE = "float32"       # what refengine computes in, so greedy outputs can be compared
@@ -31,13 +30,7 @@ def cache_root() -> Path:
 
 
 def content_key(source: Path) -> str:
-    digest = hashlib.sha256(f"ctranslate2 {ctranslate2.__version__} {COMPUTE_TYPE}".encode())
-    for path in sorted(p for p in source.iterdir() if p.is_file()):
-        digest.update(f"\0{path.name}\0{path.stat().st_size}\0".encode())
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()[:32]
+    return files_digest(source, f"ctranslate2 {ctranslate2.__version__} {COMPUTE_TYPE}", 32)
 
 
 def converted_model_dir(source: Path) -> Path:

@@ -25,15 +25,12 @@ with torch).
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from pathlib import Path
 
-from conformance.backends.converted import converted_once
+from conformance.backends.converted import converted_once, files_digest
 from refengine.model.configs import EAGLE_ARCHITECTURES, EagleLayout, architectures
 
-CACHE_ENV = "SPECGATE_CACHE_DIR"
 LAYOUT_VERSION = "vllm-layout-1"   # bump when the conversion changes
 EAGLE_SOURCE_ARCH = "LlamaForCausalLMEagle"
 EAGLE_VLLM_ARCH = "EagleLlamaForCausalLM"
@@ -41,22 +38,15 @@ EAGLE_DROPPED = ("layers.0.input_layernorm.weight", "norm.weight")
 
 
 def cache_root() -> Path:
-    """specgate's cache directory (as ``refengine.graph.aot.cache_dir``) plus ``vllm``."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]) / "vllm"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "specgate" / "vllm"
+    """specgate's cache directory (``refengine.graph.aot_store.cache_dir``) plus ``vllm``."""
+    from refengine.graph.aot_store import cache_dir  # imports torch: only when converting
+
+    return cache_dir() / "vllm"
 
 
 def content_digest(source: Path) -> str:
     """sha256 over every file's name, size and bytes, with the layout version."""
-    digest = hashlib.sha256(LAYOUT_VERSION.encode())
-    for path in sorted(p for p in source.iterdir() if p.is_file()):
-        digest.update(f"\0{path.name}\0{path.stat().st_size}\0".encode())
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()[:24]
+    return files_digest(source, LAYOUT_VERSION, 24)
 
 
 def _config(source: Path) -> dict:
