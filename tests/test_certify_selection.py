@@ -10,13 +10,15 @@ from pathlib import Path
 import pytest
 
 from conformance.backends.refengine import RefEngineBackend
-from conformance.contract import Capabilities
+from conformance.backends.refengine.adapter import RefEngineHandle
+from conformance.contract import Capabilities, OpenConfig
 from conformance.report.certificate import build_certificate, render_markdown
 from conformance.report.report_dir import ReportDir, ReportDirError
 from conformance.run.certify import claimed_specs
 from conformance.run.only import parse_only
 from conformance.run.specs import SPECS
 from conformance.run.suite import SuiteOptions, SuiteRun, suite_args, suite_dir
+from conformance.run.usage import UsageError
 from tests.test_cli import assert_usage_error, run
 from tests.test_merge import results
 
@@ -61,6 +63,62 @@ def test_a_backend_that_claims_no_spec_is_a_usage_error(
                        "--model", str(random_model_dir), "--report", str(tmp_path / "r"))
     assert_usage_error(code, err, "--spec claimed", "claims no spec")
     assert list(tmp_path.iterdir()) == []
+
+
+class RefusesModel(RefEngineBackend):
+    """The reference engine refusing every model at open, as vLLM refuses an architecture it
+    does not know."""
+
+    def open(self, cfg: OpenConfig) -> RefEngineHandle:
+        raise ValueError(f"model: RefusesModel cannot load {cfg.model}: no such architecture\n"
+                         "second line")
+
+
+def refuses_model() -> RefusesModel:
+    return RefusesModel()
+
+
+def test_a_model_the_backend_refuses_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str], random_model_dir: Path, tmp_path: Path) -> None:
+    """Refused once, before any check, rather than every check failing with the same line."""
+    code, _, err = run(capsys, "certify", "--backend",
+                       "tests.test_certify_selection:refuses_model", "--spec", "none",
+                       "--model", str(random_model_dir), "--report", str(tmp_path / "r"))
+    assert_usage_error(code, err, f"--model {random_model_dir}", "refuses it",
+                       "no such architecture")
+    assert "second line" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_backend_open_that_crashes_is_left_to_the_checks(
+        monkeypatch: pytest.MonkeyPatch, random_model_dir: Path) -> None:
+    """Only ``ValueError`` is the contract's refusal: any other error at open is a backend bug
+    the suite's checks report, so the probe neither hides nor reports it."""
+    from conformance.contract import OpenConfig as Cfg
+    from conformance.run.certify import refuses_model as probe
+
+    opened: list[Cfg] = []
+
+    class Crashes(RefEngineBackend):
+        def open(self, cfg: Cfg) -> RefEngineHandle:
+            opened.append(cfg)
+            raise RuntimeError("segfault-like")
+
+    probe(Crashes(), Cfg(model=str(random_model_dir)))
+    assert [c.model for c in opened] == [str(random_model_dir)]
+    with pytest.raises(UsageError, match="refuses it"):
+        probe(RefusesModel(), Cfg(model=str(random_model_dir)))
+    handle_closed: list[bool] = []
+
+    class Accepts(RefEngineBackend):
+        def open(self, cfg: Cfg) -> RefEngineHandle:
+            handle = super().open(cfg)
+            original = handle.close
+            handle.close = lambda: (handle_closed.append(True), original())[1]  # type: ignore[method-assign]
+            return handle
+
+    probe(Accepts(), Cfg(model=str(random_model_dir)))
+    assert handle_closed == [True]
 
 
 @pytest.mark.parametrize("backend, specs", [

@@ -254,3 +254,23 @@ def test_a_model_vllm_cannot_load_is_refused_in_one_line(vllm_backend, tmp_path,
     message = str(err.value)
     assert message.startswith("model: vLLM") and str(model) in message
     assert "\n" not in message and says in message
+
+
+@needs_vllm
+def test_certify_on_a_model_vllm_refuses_exits_2_before_any_check(tmp_path, capsys):
+    """specgate's own model checks accept the copy (its files are whole); vLLM does not know
+    the architecture. certify opens the backend once first, so this is one line and exit 2,
+    with nothing written, rather than every check failing with the same line."""
+    from conformance.cli import main
+
+    model = _broken_model(tmp_path, "architecture", _architecture)
+    report = tmp_path / "report"
+    code = main(["certify", "--backend", "vllm", "--spec", "none", "-n", "0",
+                 "--model", str(model), "--report", str(report)])
+    lines = [line for line in capsys.readouterr().err.splitlines()
+             if line.startswith("specgate")]
+    assert code == 2
+    assert len(lines) == 1 and lines[0].startswith("specgate: error: --model "), lines
+    assert "backend 'vllm' refuses it: model: vLLM refuses" in lines[0]
+    assert "not supported" in lines[0]
+    assert not report.exists()

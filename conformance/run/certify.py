@@ -26,7 +26,7 @@ from specwire.untrusted import contained
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from conformance.contract import Capabilities
+    from conformance.contract import Backend, Capabilities
     from conformance.report.certificate import Certificate
     from conformance.run.known_failures import KnownFailure
     from conformance.run.specs import SpecChoice
@@ -179,6 +179,24 @@ def _warn_unmatched(console: Console, what: str, per_cert: list[set[str]]) -> No
                       markup=False)
 
 
+def refuses_model(backend: Backend, cfg: OpenConfig) -> None:
+    """Open ``backend`` once on the model with every other setting at its default, before any
+    check runs: a model specgate's own checks accept and the backend does not (vLLM refusing an
+    architecture, weights its loader cannot read) is then one line and exit 2, not every check
+    failing with the same line. The contract lets ``open`` refuse only with ``ValueError``;
+    anything else raised here is left for the suite, whose checks report it as the failure it
+    is. Mutants are the reference engine, whose loader ``validate`` already ran."""
+    try:
+        handle = backend.open(cfg)
+    except ValueError as err:
+        raise UsageError(f"--model {cfg.model}: backend {backend.name!r} refuses it: "
+                         f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
+                         ) from None
+    except Exception:  # reported by the suite's checks, with their context
+        return
+    handle.close()
+
+
 def cmd_certify(args: argparse.Namespace) -> int:
     from conformance.report.certificate import (
         build_certificate,
@@ -201,9 +219,12 @@ def cmd_certify(args: argparse.Namespace) -> int:
     if args.graphs and not backend.capabilities().graph_runner:
         raise UsageError(f"--graphs: backend {args.backend!r} does not claim graph_runner")
     try:  # what the backend's contract version cannot express, before any work
-        config_for(OpenConfig(device=args.device), declared_version(backend), backend.name)
+        probe = config_for(OpenConfig(model=args.model, device=args.device),
+                           declared_version(backend), backend.name)
     except ContractRefusal as err:
         raise UsageError(str(err)) from None
+    if not args.backend.startswith("mutant:"):
+        refuses_model(backend, probe)
     finish = Finish(_selection(args), _known_from(args), str(args.known_failures),
                     args.strict_known)
     specs = (claimed_specs(backend.capabilities()) if args.spec == "claimed"
