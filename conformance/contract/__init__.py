@@ -18,6 +18,7 @@ from conformance.contract.adapter import (
     Request,
     is_device_name,
     unclaimed_reasons,
+    unclaimed_under,
 )
 from conformance.contract.graph_probe import (
     PADDED_FIELDS,
@@ -50,5 +51,5 @@ __all__ = [
     "FinishEvent", "FinishReason", "GraphCase", "GraphProbe", "GraphRun", "KernelImpls",
     "KeyWidthProbe", "MemoryView", "Mode", "OpenConfig", "PaddingPolicy", "PhaseRecord", "ReqKV",
     "Request", "RetractEvent", "SamplingParams", "SpecConfig", "TokenEvent", "VerifyGreedy",
-    "WorkerHooks", "is_device_name", "unclaimed_reasons",
+    "WorkerHooks", "is_device_name", "unclaimed_reasons", "unclaimed_under",
 ]

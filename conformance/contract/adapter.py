@@ -140,6 +140,11 @@ class Backend(Protocol):
     backend does not claim saying why (keys as ``Capabilities.claims`` takes them: a flag, or
     ``algorithm:<name>``); the certificate shows them beside what was not claimed.
 
+    Optional extra: ``unclaimed_under(spec: SpecConfig) -> dict[str, str]``, capability flags
+    the backend claims but not under this speculative configuration, one line each saying why
+    (e.g. a backend that drafts as the reference with one EAGLE head and not with another). A
+    check needing one of them is "not claimed" for that configuration alone.
+
     Optional attribute: ``contract_version``, the contract the backend was written for
     (``contract/versions.py``); left out, the current ``CONTRACT_VERSION``.
     """
@@ -166,6 +171,27 @@ def unclaimed_reasons(backend: Backend) -> dict[str, str]:
             raise ValueError(f"unclaimed_reasons: {name!r} is not a capability")
         if caps.claims(name):
             raise ValueError(f"unclaimed_reasons: {name!r} is claimed")
-        if not isinstance(why, str) or not why.strip() or "\n" in why:
-            raise ValueError(f"unclaimed_reasons: {name!r} needs a one-line reason")
+        _one_line("unclaimed_reasons", name, why)
     return reasons
+
+
+def unclaimed_under(backend: Backend, spec: SpecConfig) -> dict[str, str]:
+    """The flags the backend claims but not under ``spec``, with its reasons ({} if it gives
+    none); ValueError for a key that is not a flag it claims, or a reason that is not one
+    line."""
+    give = getattr(backend, "unclaimed_under", None)
+    if give is None:
+        return {}
+    reasons = dict(give(spec))
+    caps = backend.capabilities()
+    for name, why in reasons.items():
+        if name not in FLAG_NAMES or not caps.claims(name):
+            raise ValueError(f"unclaimed_under: {name!r} is not a capability flag the backend "
+                             "claims")
+        _one_line("unclaimed_under", name, why)
+    return reasons
+
+
+def _one_line(where: str, name: str, why: object) -> None:
+    if not isinstance(why, str) or not why.strip() or "\n" in why:
+        raise ValueError(f"{where}: {name!r} needs a one-line reason")

@@ -27,7 +27,14 @@ import pytest
 import torch
 
 from conformance.checks.oracle import ReferenceOracle
-from conformance.contract import Backend, Capabilities, OpenConfig, SpecConfig, unclaimed_reasons
+from conformance.contract import (
+    Backend,
+    Capabilities,
+    OpenConfig,
+    SpecConfig,
+    unclaimed_reasons,
+    unclaimed_under,
+)
 from conformance.contract.versions import declared_version
 from conformance.report.certified import config_record
 from conformance.report.environment import run_environment
@@ -53,7 +60,7 @@ from conformance.run.profiles import PROFILES, Profile
 from conformance.run.prompts import PromptCase, load_prompt_set
 from conformance.run.quick_exit import WorkerInterruptExit
 from conformance.run.registry import BackendError, load_backend
-from conformance.run.specs import SpecChoice, resolve_specs
+from conformance.run.specs import SpecChoice, config_id, resolve_specs
 
 NOT_CLAIMED = "not claimed"
 LONG_TIER = "fuzz"
@@ -197,6 +204,21 @@ def _requirements(item: pytest.Item, spec: SpecChoice) -> list[str]:
     return needs
 
 
+def _unclaimed_here(ctx: SuiteContext, item: pytest.Item, needs: list[str]) -> str:
+    """What the check needs that the backend claims, but not under the item's configuration
+    (``unclaimed_under``), said as ``flag under <config> (reason)``; "" if nothing."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    spec = params.get("spec_config")
+    if not isinstance(spec, SpecConfig):
+        return ""
+    try:
+        reasons = unclaimed_under(ctx.backend, spec)
+    except ValueError as err:
+        raise pytest.UsageError(f"backend {ctx.backend_name!r}: {err}") from None
+    return "; ".join(f"{flag} under {config_id(spec)} ({reasons[flag]})"
+                     for flag in dict.fromkeys(needs) if flag in reasons)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("specgate_tier"):
@@ -268,6 +290,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.user_properties.append(("specgate_self_check", True))
         if missing:
             item.add_marker(pytest.mark.skip(reason=f"{NOT_CLAIMED}: {', '.join(missing)}"))
+        elif (excepted := _unclaimed_here(ctx, item, needs)):
+            item.add_marker(pytest.mark.skip(reason=f"{NOT_CLAIMED}: {excepted}"))
     # The fuzz tier is one long check. In-process it goes last: it shrinks what it finds, the
     # longest way to fail, and a run stopping at its first failure (``specgate mutants``) then
     # fails by a hand-written check where one catches the bug. Under xdist it goes first, so

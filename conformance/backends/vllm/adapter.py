@@ -41,7 +41,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.llm_engine import LLMEngine
 
 from conformance.backends.request_check import check_request
-from conformance.backends.vllm.layout import eagle_dir
+from conformance.backends.vllm.layout import drafts_as_refengine, eagle_dir
 from conformance.backends.vllm.memory import PreemptionWatch, read_view
 from conformance.contract import (
     Capabilities,
@@ -51,6 +51,7 @@ from conformance.contract import (
     OpenConfig,
     Request,
     RetractEvent,
+    SpecConfig,
     TokenEvent,
 )
 from refengine.data import resolve_model_dir
@@ -84,8 +85,6 @@ UNCLAIMED_REASONS = {
     "chunked_prefill": "not yet verified against the lifecycle tier: vLLM's token budget "
                        "(max_num_batched_tokens) counts decode tokens too and must be at "
                        "least max_num_seqs",
-    "reference_draft": "vLLM's EAGLE-1 head has no input norm and no final norm, so the "
-                       "converted tiny-code-eagle drafts differently from refengine's head",
     "worker_hooks": "vLLM exposes no phase traces or forced verify outcomes",
     "graph_runner": "run with enforce_eager on CPU: no graph runner to probe",
     "kernels": "vLLM's CPU build has no tree kernels to hand the kernel tier",
@@ -96,6 +95,10 @@ UNCLAIMED_REASONS = {
                        "(the rejection sampler reads garbled sampling parameters); plain "
                        "decoding passes the reproducibility tier",
 }
+
+_NGRAM_LOOKUP = ("vLLM's prompt lookup takes the earliest match, stops copying at the "
+                 "context's end and proposes nothing without a match; refengine's takes the "
+                 "latest, copies on and pads, so the drafts differ by design")
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -422,10 +425,24 @@ class VllmBackend:
 
     def capabilities(self) -> Capabilities:
         return Capabilities(algorithms=frozenset({"none", "eagle", "draft_model", "ngram"}),
-                            stepwise=True, abort=True, acceptance_stats=True)
+                            stepwise=True, abort=True, acceptance_stats=True,
+                            reference_draft=True)
 
     def unclaimed_reasons(self) -> dict[str, str]:
         return dict(UNCLAIMED_REASONS)
+
+    def unclaimed_under(self, spec: SpecConfig) -> dict[str, str]:
+        """vLLM drafts as the reference does with a draft model and with an EAGLE head already
+        in its own layout (measured: the golden tier passes, docs/backends/vllm.md); not with
+        a head it must convert, nor with its own prompt lookup."""
+        if spec.algorithm == "ngram":
+            return {"reference_draft": _NGRAM_LOOKUP}
+        if spec.algorithm == "eagle" and not drafts_as_refengine(
+                resolve_model_dir(spec.draft_model)):
+            return {"reference_draft": f"{spec.draft_model} has an input norm and a final "
+                    "norm, which vLLM's EAGLE-1 head lacks: vLLM runs it converted and drafts "
+                    "differently (--draft-model tiny-code-eagle-vllm drafts the same)"}
+        return {}
 
     def open(self, cfg: OpenConfig) -> VllmHandle:
         args, config = engine_args(cfg)
