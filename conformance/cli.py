@@ -19,6 +19,7 @@ from typing import NoReturn
 from conformance.bench.command import cmd_bench
 from conformance.checks.commands import cmd_expected, cmd_golden
 from conformance.checks.golden_scenarios import SCENARIOS
+from conformance.report.coverage import CLASS_NAMES
 from conformance.report.durations import cmd_durations
 from conformance.report.merge import cmd_merge
 from conformance.repro.command import cmd_repro
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "expiry): reported as known, not failing the gate")
     certify.add_argument("--strict-known", action="store_true",
                          help="a known failure that now passes (stale) fails the gate")
+    certify.add_argument("--require", default=None, choices=CLASS_NAMES,
+                         help="fail the run unless every check this coverage class needs ran "
+                              "(none of them not claimed; docs/adapter.md, Coverage classes)")
     certify.set_defaults(func=cmd_certify)
 
     gold = sub.add_parser("golden", formatter_class=fmt,

@@ -35,6 +35,7 @@ from conformance.report.acceptance_chart import (
     shares,
 )
 from conformance.report.certified import ConfigRun, config_runs, near_ties
+from conformance.report.coverage import CLASSES, RAN, Coverage, coverage
 from conformance.report.failures import failure_lines, known_lines
 from conformance.report.figures import figures_lines
 from conformance.report.verdict import backend_rows, is_self_check
@@ -85,6 +86,10 @@ class Certificate:
     # the tiers' counts
     self_checks: list[dict[str, str]] = field(default_factory=list)
     threads: list[int] = field(default_factory=list)  # torch threads the checks ran with
+    # how much ran, what was not claimed, the coverage class met (conformance.report.coverage)
+    coverage: Coverage = field(default_factory=lambda: Coverage(0, 0, 0, 0))
+    required: str | None = None  # certify --require: the class a run must meet
+    unmet: str | None = None     # why ``required`` is not met (the run then fails)
 
     def __post_init__(self) -> None:
         if self.plot_skipped is None and self.acceptance_panels:
@@ -172,6 +177,10 @@ def build_certificate(results: dict[str, object]) -> Certificate:
         known and known["strict"] and known["stale"]) or any(  # type: ignore[index]
         c["outcome"] == "failed" for c in self_checks)
     interrupted = bool(results.get("interrupted"))
+    covered = coverage(checks, dict(results["capabilities"]))  # type: ignore[call-overload]
+    required = results.get("require")
+    unmet = covered.unmet(str(required)) if required else None
+    failed = failed or bool(unmet)
     return Certificate(
         backend=dict(results["backend"]),  # type: ignore[arg-type]
         capabilities=dict(results["capabilities"]),  # type: ignore[arg-type]
@@ -195,7 +204,8 @@ def build_certificate(results: dict[str, object]) -> Certificate:
         shard=results.get("shard"),  # type: ignore[arg-type]
         selection=results.get("selection"),  # type: ignore[arg-type]
         known_failures=known,  # type: ignore[arg-type]
-        self_checks=self_checks, threads=list(results.get("threads", [])))  # type: ignore[call-overload]
+        self_checks=self_checks, threads=list(results.get("threads", [])),  # type: ignore[call-overload]
+        coverage=covered, required=required, unmet=unmet)  # type: ignore[arg-type]
 
 
 def headline(cert: Certificate) -> str:
@@ -208,12 +218,41 @@ def headline(cert: Certificate) -> str:
     return cert.status.upper() + (f" ({', '.join(notes)})" if notes else "")
 
 
+def full_headline(cert: Certificate) -> str:
+    """The verdict with what it covered: ``PASSED — 15 of 75 checks ran; 60 not claimed (...);
+    coverage: outputs``."""
+    if cert.interrupted:
+        return headline(cert)
+    return (f"{headline(cert)} — {cert.coverage.describe()}; "
+            f"coverage: {cert.coverage.met or 'none'}")
+
+
+def coverage_lines(cert: Certificate) -> list[str]:
+    """The "Coverage" section of report.md: each class, met or not and why (docs/adapter.md)."""
+    cov = cert.coverage
+    out = ["## Coverage", "", f"{cov.describe()}. Largest class met: "
+           f"**{cov.met or 'none'}**" + (f" (required: `{cert.required}`)" if cert.required
+                                         else "") + ".", "", "| class | met | what it needs |",
+           "|---|---|---|"]
+    for cls in CLASSES:
+        gap = cov.gaps.get(cls.name)
+        out.append(f"| {cls.name} | {'no: ' + gap if gap else 'yes'} | {cls.meaning} |")
+    return [*out, ""]
+
+
+def tier_share(t: TierSummary) -> str:
+    """``14 of 17``: the tier's checks that ran (passed, failed or known) of those collected."""
+    ran = sum(t.counts.get(o, 0) for o in RAN)
+    return f"{ran} of {sum(t.counts.values())}"
+
+
 def tier_table(cert: Certificate) -> str:
-    lines = ["| tier | " + " | ".join(OUTCOMES) + " | seconds | status |",
-             "|---|" + "---|" * (len(OUTCOMES) + 2)]
+    lines = ["| tier | ran | " + " | ".join(OUTCOMES) + " | seconds | status |",
+             "|---|---|" + "---|" * (len(OUTCOMES) + 2)]
     for t in cert.tiers:
         counts = " | ".join(str(t.counts.get(o, 0)) for o in OUTCOMES)
-        lines.append(f"| {t.tier} | {counts} | {t.seconds} | **{t.status}** |")
+        lines.append(f"| {t.tier} | {tier_share(t)} | {counts} | {t.seconds} | "
+                     f"**{t.status}** |")
     return "\n".join(lines)
 
 
@@ -346,7 +385,7 @@ def render_markdown(cert: Certificate, where: Path = Path(".")) -> str:
     name their repro files under it)."""
     b = cert.backend
     out = [f"# specgate certificate: {b['name']} {b['version']}", "",
-           f"- result: **{headline(cert)}**",
+           f"- result: **{full_headline(cert)}**",
            f"- spec: `{cert.spec}`, profile: `{cert.profile}`, graphs: "
            f"`{cert.graphs or 'off'}`, device: `{cert.device}`",
            f"- backend resolved from: `{b['resolved_from']}`",
@@ -360,6 +399,9 @@ def render_markdown(cert: Certificate, where: Path = Path(".")) -> str:
                 "in it, and it certifies nothing.", ""]
     if cert.vacuous:
         out += [f"**Vacuous run refused:** {cert.vacuous}", ""]
+    if cert.unmet:
+        out += [f"**`--require {cert.required}` failed:** {cert.unmet}", ""]
+    out += coverage_lines(cert)
     out += certified_lines(cert)
     out += ["## Tiers", "", tier_table(cert), "",
             "## Capability × tier", "",
@@ -410,8 +452,9 @@ def summary_rows(certs: list[Certificate]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for c in certs:
         status = {t.tier: t.status for t in c.tiers}
-        rows.append([c.spec, headline(c), *(status.get(t, "—") for t in tiers)])
-    return ["spec", "result", *tiers], rows
+        rows.append([c.spec, headline(c), f"{c.coverage.ran} of {c.coverage.total}",
+                     c.coverage.met or "none", *(status.get(t, "—") for t in tiers)])
+    return ["spec", "result", "ran", "coverage", *tiers], rows
 
 
 def summary_markdown(certs: list[Certificate]) -> str:

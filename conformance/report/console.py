@@ -39,19 +39,23 @@ def print_table(title: str, columns: list[str], rows: list[list[str]],
 def print_certificate(cert: Certificate, where: Path) -> None:
     """The tier table, then the checks that did not run, each failure with the command that
     replays it, and what the known-failures file did; ``where``: the certificate directory."""
-    from conformance.report.certificate import OUTCOMES, headline
+    from conformance.report.certificate import OUTCOMES, full_headline, headline, tier_share
     from conformance.report.failures import console_lines
 
     counts = OUTCOMES
     rows = []
     for t in cert.tiers:
         style = {"failed": "bold red", "passed": "green"}.get(t.status, "yellow")
-        rows.append([t.tier, *(str(t.counts.get(o, 0)) for o in counts), f"{t.seconds:.1f}",
-                     f"[{style}]{t.status}[/]"])
+        rows.append([t.tier, tier_share(t), *(str(t.counts.get(o, 0)) for o in counts),
+                     f"{t.seconds:.1f}", f"[{style}]{t.status}[/]"])
     print_table(f"specgate certificate for {cert.backend['name']} {cert.backend['version']}, "
                  f"spec {cert.spec}: {headline(cert)}",
-                 ["tier", *counts, "seconds", "status"], rows, right=(*counts, "seconds"))
+                 ["tier", "ran", *counts, "seconds", "status"], rows,
+                 right=("ran", *counts, "seconds"))
     out = stdout_console()
+    out.print(f"{cert.spec}: {full_headline(cert)}", markup=False, soft_wrap=True)
+    if cert.unmet:
+        out.print(f"  FAILED --require {cert.required}: {cert.unmet}", markup=False)
     for t in cert.tiers:
         for why, n in t.not_run.items():
             out.print(f"  {t.tier}: {n} check(s) {why}", markup=False)

@@ -31,7 +31,7 @@ from specwire.untrusted import UntrustedFileError, contained
 # what every shard of one run records alike
 SAME = (("specgate_version", "specgate versions"), ("backend", "backends"),
         ("profile", "profiles"), ("graphs", "graph executors"), ("device", "devices"),
-        ("selection", "selections (--only, -k)"))
+        ("selection", "selections (--only, -k)"), ("required", "--require classes"))
 _KINDS = ("known", "stale", "expired", "not_run")
 
 
@@ -135,7 +135,7 @@ def merged_results(group: Shards) -> dict[str, object]:
         "specgate_version": first.get("specgate_version"), "selection": first.get("selection"),
         "shard": f"merged from {count} shard{'s' * (count != 1)}" if first.get("shard") else None,
         "vacuous": vacuous, "interrupted": interrupted, "checks": checks,
-        "known_failures": _known(reports)}
+        "known_failures": _known(reports), "require": first.get("required")}
 
 
 def cmd_merge(args: argparse.Namespace) -> int:

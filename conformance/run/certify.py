@@ -85,6 +85,7 @@ class Finish:
     known: list[KnownFailure] | None
     known_file: str
     strict_known: bool
+    require: str | None = None  # --require: a coverage class the run must meet
 
 
 def _finish(results: dict[str, object], finish: Finish, junit: Path) -> dict[str, object]:
@@ -93,7 +94,8 @@ def _finish(results: dict[str, object], finish: Finish, junit: Path) -> dict[str
     from conformance.version import specgate_version
 
     results = {**results, "specgate_version": specgate_version(),
-               "shard": finish.selection.shard, "selection": finish.selection.by_name}
+               "shard": finish.selection.shard, "selection": finish.selection.by_name,
+               "require": finish.require}
     sel = finish.selection
     if sel and results.get("vacuous") == "zero checks collected":
         results["vacuous"] = f"zero checks collected: no check matches {sel.describe()}"
@@ -226,7 +228,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
     if not args.backend.startswith("mutant:"):
         refuses_model(backend, probe)
     finish = Finish(_selection(args), _known_from(args), str(args.known_failures),
-                    args.strict_known)
+                    args.strict_known, args.require)
     specs = (claimed_specs(backend.capabilities()) if args.spec == "claimed"
              else resolve_specs(args.spec))
     if not specs:
