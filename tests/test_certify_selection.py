@@ -193,8 +193,26 @@ def test_a_failure_shows_the_command_that_replays_it(tmp_path: Path) -> None:
     del res["checks"][1]["repro"]  # type: ignore[index]
     md = render_markdown(build_certificate(res), tmp_path / "my report")
     quoted = f"'{tmp_path}/my report/repro/two.json'"
-    assert f"- `test_a.py::two`: boom\n  - replay: `specgate repro {quoted} --backend pkg:b`" in md
-    assert "- `test_a.py::one`: boom\n\n" in md  # no repro file, nothing extra
+    rerun = "specgate certify --backend pkg:b --spec none --only"
+    assert (f"- `test_a.py::two`: boom\n  - rerun: `{rerun} test_a.py::two`\n"
+            f"  - replay: `specgate repro {quoted} --backend pkg:b`") in md
+    # no repro file: the rerun alone
+    assert f"- `test_a.py::one`: boom\n  - rerun: `{rerun} test_a.py::one`\n\n" in md
+
+
+def test_the_rerun_line_carries_every_option_that_changes_the_check() -> None:
+    """Left out where certify's default; quoted where a shell would split or expand."""
+    from conformance.report.failures import Rerun
+
+    check = "test_lossless.py::test_greedy_matches_reference[chain-s3-n4-batch-4]"
+    assert Rerun("refengine", "eagle").command(check) == (
+        f"specgate certify --backend refengine --spec eagle --only '{check}'")
+    full = Rerun("mod.x:factory", "eagle", "full", "/tmp/my model", "tiny-code-eagle-vllm",
+                 "replay", "cuda:1")
+    assert full.command(check) == (
+        "specgate certify --backend mod.x:factory --spec eagle --profile full --model "
+        "'/tmp/my model' --draft-model tiny-code-eagle-vllm --graphs replay --device cuda:1 "
+        f"--only '{check}'")
 
 
 def test_a_repro_that_does_not_reproduce_offers_no_command(tmp_path: Path) -> None:

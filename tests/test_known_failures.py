@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conformance.report.certificate import build_certificate, render_markdown
-from conformance.report.failures import console_lines
+from conformance.report.failures import Rerun, console_lines
 from conformance.report.junit import mark_known
 from conformance.run.known_failures import KnownFailure, apply_known, load_known
 from tests.test_cli import assert_usage_error, run
@@ -76,7 +76,7 @@ def test_the_certificate_lists_them_all() -> None:
                    "failed)", "**listed, did not run: 1**", "**listed, no such check: 1**",
                    "`test_a.py::gone`: renamed"):
         assert needle in section, needle
-    lines = console_lines([], "b", applied()["known_failures"], Path("r"))  # type: ignore[arg-type]
+    lines = console_lines([], Rerun("b", "none"), applied()["known_failures"], Path("r"))  # type: ignore[arg-type]
     assert "  stale: test_a.py::passes: fixed upstream?" in lines
     assert "  listed, no such check: test_a.py::gone: renamed" in lines
 

@@ -36,7 +36,7 @@ from conformance.report.acceptance_chart import (
 )
 from conformance.report.certified import ConfigRun, config_runs, near_ties
 from conformance.report.coverage import CLASSES, RAN, Coverage, coverage
-from conformance.report.failures import failure_lines, known_lines
+from conformance.report.failures import DEFAULT_MODEL, Rerun, failure_lines, known_lines
 from conformance.report.figures import figures_lines
 from conformance.report.verdict import backend_rows, is_self_check
 from conformance.run.known_failures import KNOWN_FAILURE
@@ -89,6 +89,8 @@ class Certificate:
     # how much ran, what was not claimed, the coverage class met (conformance.report.coverage)
     coverage: Coverage = field(default_factory=lambda: Coverage(0, 0, 0, 0))
     required: str | None = None  # certify --require: the class a run must meet
+    model: str = DEFAULT_MODEL        # --model: what every check opened the backend on
+    draft_model: str | None = None    # --draft-model, where the run named one
     unmet: str | None = None     # why ``required`` is not met (the run then fails)
 
     def __post_init__(self) -> None:
@@ -205,7 +207,9 @@ def build_certificate(results: dict[str, object]) -> Certificate:
         selection=results.get("selection"),  # type: ignore[arg-type]
         known_failures=known,  # type: ignore[arg-type]
         self_checks=self_checks, threads=list(results.get("threads", [])),  # type: ignore[call-overload]
-        coverage=covered, required=required, unmet=unmet)  # type: ignore[arg-type]
+        coverage=covered, required=required, unmet=unmet,  # type: ignore[arg-type]
+        model=str(results.get("model", DEFAULT_MODEL)),
+        draft_model=results.get("draft_model"))  # type: ignore[arg-type]
 
 
 def headline(cert: Certificate) -> str:
@@ -218,13 +222,21 @@ def headline(cert: Certificate) -> str:
     return cert.status.upper() + (f" ({', '.join(notes)})" if notes else "")
 
 
+def rerun_of(cert: Certificate) -> Rerun:
+    """What a rerun of one of this certificate's checks must say to run it as it ran."""
+    return Rerun(str(cert.backend["resolved_from"]), cert.spec, cert.profile, cert.model,
+                 cert.draft_model, cert.graphs, cert.device)
+
+
 def full_headline(cert: Certificate) -> str:
     """The verdict with what it covered: ``PASSED — 15 of 75 checks ran; 60 not claimed (...);
     coverage: outputs``."""
     if cert.interrupted:
         return headline(cert)
+    part = (" (of the checks selected)" if cert.selection else
+            " (of this shard)" if cert.shard and not cert.shard.startswith("merged") else "")
     return (f"{headline(cert)} — {cert.coverage.describe()}; "
-            f"coverage: {cert.coverage.met or 'none'}")
+            f"coverage: {cert.coverage.met or 'none'}{part}")
 
 
 def coverage_lines(cert: Certificate) -> list[str]:
@@ -419,7 +431,7 @@ def render_markdown(cert: Certificate, where: Path = Path(".")) -> str:
         out += [f"| {tier} | {n} | {why} |" for tier, why, n in not_run]
         out.append("")
     out += self_check_lines(cert.self_checks)
-    out += failure_lines(cert.failures, str(b["resolved_from"]), where)
+    out += failure_lines(cert.failures, rerun_of(cert), where)
     out += known_lines(cert.known_failures)
     out += acceptance_lines(cert)
     out += figures_lines(cert.checks)

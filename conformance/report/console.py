@@ -39,7 +39,13 @@ def print_table(title: str, columns: list[str], rows: list[list[str]],
 def print_certificate(cert: Certificate, where: Path) -> None:
     """The tier table, then the checks that did not run, each failure with the command that
     replays it, and what the known-failures file did; ``where``: the certificate directory."""
-    from conformance.report.certificate import OUTCOMES, full_headline, headline, tier_share
+    from conformance.report.certificate import (
+        OUTCOMES,
+        full_headline,
+        headline,
+        rerun_of,
+        tier_share,
+    )
     from conformance.report.failures import console_lines
 
     counts = OUTCOMES
@@ -66,8 +72,7 @@ def print_certificate(cert: Certificate, where: Path) -> None:
         for c in cert.self_checks:
             if c["outcome"] == "failed":
                 out.print(f"    FAILED {c['check']}: {c['message']}", markup=False)
-    for line in console_lines(cert.failures, str(cert.backend["resolved_from"]),
-                              cert.known_failures, where):
-        out.print(line, markup=False)
+    for line in console_lines(cert.failures, rerun_of(cert), cert.known_failures, where):
+        out.print(line, markup=False, soft_wrap=True)  # commands stay whole for copy-paste
     out.print(f"reports: {where / 'report.md'}, {where / 'report.json'}, "
               f"{where / 'junit.xml'}", markup=False)

@@ -5,12 +5,40 @@ file), and what the known-failures file did (``conformance.run.known_failures``)
 from __future__ import annotations
 
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 Failure = dict[str, str]  # check, message[, repro, repro_reproduces] (``TierSummary.failures``)
 NOT_REPLAYABLE = ("its scenario replays clean: what failed is this check's own assertion, not "
-                  "one a replay checks; rerun the check alone with certify --only")
+                  "one a replay checks")
 Known = dict[str, object] | None    # ``KnownReport`` as report.json holds it
+DEFAULT_MODEL = "tiny-code"         # certify's --model default
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """How the run was made, so one check can be run again exactly so: every option that
+    changes what a check does, left out where it is certify's default."""
+
+    backend: str
+    spec: str
+    profile: str = "gate"
+    model: str = DEFAULT_MODEL
+    draft_model: str | None = None
+    graphs: str | None = None
+    device: str = "cpu"
+
+    def command(self, check: str) -> str:
+        """``specgate certify --backend B --spec S ... --only '<id>'``, shell-quoted."""
+        words = ["specgate", "certify", "--backend", self.backend, "--spec", self.spec]
+        for option, value, default in (("--profile", self.profile, "gate"),
+                                       ("--model", self.model, DEFAULT_MODEL),
+                                       ("--draft-model", self.draft_model, None),
+                                       ("--graphs", self.graphs, None),
+                                       ("--device", self.device, "cpu")):
+            if value != default:
+                words += [option, str(value)]
+        return " ".join(shlex.quote(w) for w in [*words, "--only", check])
 
 
 def repro_command(backend: str, where: Path, repro: str) -> str:
@@ -21,20 +49,22 @@ def repro_command(backend: str, where: Path, repro: str) -> str:
             + shlex.quote(backend))
 
 
-def failure_lines(failures: list[Failure], backend: str, where: Path) -> list[str]:
-    """The "Failures" section of report.md (none if nothing failed); ``backend``: what the
-    run resolved the backend from."""
+def failure_lines(failures: list[Failure], rerun: Rerun, where: Path) -> list[str]:
+    """The "Failures" section of report.md (none if nothing failed): each failure with the
+    command that reruns its check and, where its repro file reproduces it, the replay."""
     if not failures:
         return []
     out = ["## Failures", ""]
     for f in failures:
         out.append(f"- `{f['check']}`: {f['message']}")
+        out.append(f"  - rerun: `{rerun.command(f['check'])}`")
         if f.get("repro") and f.get("repro_reproduces") == "no":
             out.append(f"  - repro file `{where / f['repro']}`: {NOT_REPLAYABLE}")
         elif f.get("repro"):
             unknown = (" (not replayed at the time: the check timed out, and so may a replay)"
                        if f.get("repro_reproduces") == "not replayed" else "")
-            out.append(f"  - replay: `{repro_command(backend, where, f['repro'])}`{unknown}")
+            out.append(f"  - replay: `{repro_command(rerun.backend, where, f['repro'])}`"
+                       f"{unknown}")
     return [*out, ""]
 
 
@@ -68,18 +98,19 @@ def known_lines(known: Known) -> list[str]:
     return out
 
 
-def console_lines(failures: list[Failure], backend: str, known: Known, where: Path
+def console_lines(failures: list[Failure], rerun: Rerun, known: Known, where: Path
                   ) -> list[str]:
-    """Plain lines under the console's tier table: each failure with its replay command, and
-    what the known-failures file did."""
+    """Plain lines under the console's tier table: each failure with the commands that rerun
+    and replay it, and what the known-failures file did."""
     out = []
     for f in failures:
         first = f["message"].strip().splitlines()[0][:200] if f["message"].strip() else ""
         out.append(f"  FAILED {f['check']}: {first}")
+        out.append(f"    rerun: {rerun.command(f['check'])}")
         if f.get("repro") and f.get("repro_reproduces") == "no":
             out.append(f"    repro file {where / f['repro']}: {NOT_REPLAYABLE}")
         elif f.get("repro"):
-            out.append(f"    replay: {repro_command(backend, where, f['repro'])}")
+            out.append(f"    replay: {repro_command(rerun.backend, where, f['repro'])}")
     if known is not None:
         for kind, name, _ in _KINDS:
             out += [f"  {name}: {item['check']}: {item['reason']}" for item in known[kind]]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conformance.report.cert_dirs import CertDir, SpecFiles, read_cert_dir
+from conformance.report.failures import DEFAULT_MODEL
 from conformance.report.verdict import vacuous_reason
 from conformance.run.specs import SPECS
 from conformance.run.usage import UsageError
@@ -31,7 +32,8 @@ from specwire.untrusted import UntrustedFileError, contained
 # what every shard of one run records alike
 SAME = (("specgate_version", "specgate versions"), ("backend", "backends"),
         ("profile", "profiles"), ("graphs", "graph executors"), ("device", "devices"),
-        ("selection", "selections (--only, -k)"), ("required", "--require classes"))
+        ("selection", "selections (--only, -k)"), ("required", "--require classes"),
+        ("model", "models"), ("draft_model", "draft models"))
 _KINDS = ("known", "stale", "expired", "not_run")
 
 
@@ -126,7 +128,8 @@ def merged_results(group: Shards) -> dict[str, object]:
     return {
         "backend": first["backend"], "capabilities": first["capabilities"],
         "spec": group.spec, "profile": first["profile"], "graphs": first.get("graphs"),
-        "device": first.get("device", "cpu"),
+        "device": first.get("device", "cpu"), "model": first.get("model", DEFAULT_MODEL),
+        "draft_model": first.get("draft_model"),
         "unclaimed_reasons": first.get("unclaimed_reasons", {}),
         "configurations": [{"id": c["id"], **c["parameters"]}
                            for c in first.get("configurations", [])],  # type: ignore[attr-defined]

@@ -430,6 +430,8 @@ class ResultCollector:
                 "case_timeout": case_timeout(self.config),
                 "threads": sorted({int(r["threads"]) for r in rows if "threads" in r}),
                 "profile": ctx.profile.name, "graphs": ctx.graph_executor, "device": ctx.device,
+                "model": ctx.model,
+                "draft_model": self.config.getoption("--specgate-draft-model") or None,
                 "environment": run_environment(ctx.device, ctx.caps.precision),
                 "vacuous": vacuous,
                 "interrupted": self.interrupted, "checks": rows,
