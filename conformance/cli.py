@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     mutants.add_argument("--only", default="", help="comma-separated mutant names (unset: all)")
     mutants.add_argument("--device", default="cpu", type=device_arg, help=DEVICE_HELP)
     mutants.add_argument("--json", action="store_true", help="print the results as JSON")
+    mutants.add_argument("--list", action="store_true",
+                         help="list the zoo (name, spec, bug class, the check meant to kill "
+                              "it) without running anything; with --json, as JSON")
     mutants.set_defaults(func=cmd_mutants)
 
     bench = sub.add_parser("bench", formatter_class=fmt,

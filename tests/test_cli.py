@@ -262,3 +262,22 @@ def test_hf_backend_without_transformers_names_the_extra(
     monkeypatch.delitem(sys.modules, "conformance.backends.hf", raising=False)
     code, _, err = run(capsys, "certify", "--backend", "hf", "--model", str(random_model_dir))
     assert_usage_error(code, err, "specgate[hf]")
+
+
+def test_mutants_list_names_class_spec_and_killer_without_running(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from conformance.backends.mutants import MUTANTS
+    from conformance.backends.mutants.source_patches import SOURCE_MUTANTS
+
+    code, out, _ = run(capsys, "mutants", "--list", "--json")
+    assert code == 0
+    rows = {r["mutant"]: r for r in json.loads(out)}
+    assert set(rows) == {*MUTANTS, *SOURCE_MUTANTS}
+    leak = rows["leak_on_finish"]
+    assert leak["spec"] == "none" and leak["bug_class"].startswith("KV slots leak")
+    assert leak["meant_for"] == "test_memory.py::test_invariants_under_pressure[plain-1]"
+    assert leak["command"] == "specgate certify --backend mutant:leak_on_finish --spec none"
+    code, out, _ = run(capsys, "mutants", "--list", "--only", "leak_on_finish")
+    assert code == 0 and "[plain-1]" in out  # a node id's brackets are text, not markup
+    code, _, err = run(capsys, "mutants", "--list", "--only", "no_such")
+    assert_usage_error(code, err, "unknown mutant(s) ['no_such']")

@@ -8,6 +8,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rich.markup import escape
+
 from conformance.report.console import print_table
 from conformance.run.certify import pytest_problem
 from conformance.run.usage import Interrupted, UsageError, validate
@@ -30,6 +32,26 @@ def _killer(check: dict[str, object]) -> str:
     return str(check["nodeid"])
 
 
+def list_zoo(zoo: dict[str, Mutant | SourceMutant], names: list[str], as_json: bool) -> int:
+    """``mutants --list``: each mutant's spec, bug class and the check meant to kill it, with
+    the command that runs it; nothing is run."""
+    unknown = [n for n in names if n not in zoo]
+    if unknown:
+        raise UsageError(f"--only: unknown mutant(s) {unknown} (known: {', '.join(zoo)})")
+    rows = [{"mutant": n, "spec": zoo[n].spec, "bug_class": zoo[n].bug_class,
+             "meant_for": zoo[n].killed_by,
+             "command": f"specgate certify --backend mutant:{n} --spec {zoo[n].spec}"}
+            for n in names]
+    if as_json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print_table(f"specgate mutants: the zoo, {len(rows)} mutants",
+                    ["mutant", "spec", "bug class", "meant to be killed by"],
+                    [[escape(str(c)) for c in (r["mutant"], r["spec"], r["bug_class"],
+                                              r["meant_for"] or "—")] for r in rows])
+    return 0
+
+
 def cmd_mutants(args: argparse.Namespace) -> int:
     from conformance.backends.mutants import MUTANTS as CLASS_MUTANTS
     from conformance.backends.mutants.source_patches import SOURCE_MUTANTS
@@ -38,6 +60,8 @@ def cmd_mutants(args: argparse.Namespace) -> int:
 
     zoo: dict[str, Mutant | SourceMutant] = {**CLASS_MUTANTS, **SOURCE_MUTANTS}
     names = list(zoo) if not args.only else args.only.split(",")
+    if args.list:
+        return list_zoo(zoo, names, args.json)
     from conformance.run.device import device_problem
 
     problem = device_problem(args.device, None)
@@ -84,6 +108,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         print_table(f"specgate mutants: {len(rows) - len(survived)} of {len(rows)} killed",
                      ["mutant", "spec", "bug class", "status", "killed first by",
                       "meant for"],
-                     [[r["mutant"], r["spec"], r["bug_class"], r["status"],
-                       r["killed_by"] or "—", r["meant_for"] or "—"] for r in rows])
+                     [[escape(str(c)) for c in (r["mutant"], r["spec"], r["bug_class"],
+                                                r["status"], r["killed_by"] or "—",
+                                                r["meant_for"] or "—")] for r in rows])
     return 1 if survived else 0
