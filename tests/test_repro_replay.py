@@ -76,7 +76,17 @@ def test_the_emitted_module_does_the_same_under_pytest(certified: Path, tmp_path
         outcomes[backend] = (done.returncode, done.stdout)
     code, out = outcomes[MUTANT]
     assert code == 1 and "first divergence" in out and "got more" in out, out
+    assert f"on backend '{MUTANT}': " in out, out
     assert outcomes["refengine"][0] == 0, outcomes["refengine"][1]
+    # no backend named: it refuses, naming the one it was recorded on, rather than passing on
+    # the reference engine with the bug present
+    bare = {k: v for k, v in env.items() if k != "SPECGATE_BACKEND"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                           "no:xdist", "-p", "no:randomly", str(module)], cwd=tmp_path, env=bare,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 1, done.stdout
+    assert "no backend to replay on: run this repro with --specgate-backend NAME" in done.stdout
+    assert f"it was recorded on '{MUTANT}'" in done.stdout, done.stdout
 
 
 def test_replay_names_the_step_request_and_memory_of_a_leak() -> None:

@@ -18,7 +18,8 @@ MODULE_NAME = re.compile(r"test_[A-Za-z0-9_]+\.py")
 
 TEMPLATE = '''"""Regression repro emitted by `specgate repro --emit-pytest`.
 
-Run it with: pytest {module} --specgate-backend <backend>
+Run it with: pytest {module} --specgate-backend <backend> (without a backend named it fails:
+a repro that ran on the reference engine by accident would pass while the bug is present).
 It replays SCENARIO through specgate's adapter: {actions} actions over {runs} engine
 instance(s), each then run to completion, checking the invariants after every step, greedy
 outputs against the reference, finish reasons, and that each run ends idle. CHECK names the
@@ -41,7 +42,8 @@ SCENARIO = (
 def test_{name}(specgate_backend):
     divergence = replay(parse(SCENARIO, {source}), specgate_backend)
     if divergence is not None:
-        pytest.fail(divergence.describe(), pytrace=False)
+        pytest.fail(f"on backend {{specgate_backend.name!r}}: " + divergence.describe(),
+                    pytrace=False)
 '''
 
 

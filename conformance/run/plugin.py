@@ -265,14 +265,25 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         ctx.backend, replay_it=not timed_out).items())
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def specgate_backend(request: pytest.FixtureRequest) -> Backend:
-    """The backend ``--specgate-backend`` names (default $SPECGATE_BACKEND or refengine): what
-    a regression repro module (``specgate repro --emit-pytest``) replays its scenario on."""
+    """The backend ``--specgate-backend`` (or $SPECGATE_BACKEND) names: what a regression repro
+    module (``specgate repro --emit-pytest``) replays its scenario on. There is no default: a
+    repro run on the reference engine by accident passes while the bug it holds is present,
+    so without a name the test fails, saying which backend recorded it."""
+    name = request.config.getoption("--specgate-backend") or os.environ.get("SPECGATE_BACKEND")
+    if not name:
+        recorded = getattr(request.module, "RECORDED_ON", None)
+        pytest.fail("no backend to replay on: run this repro with --specgate-backend NAME (or "
+                    "SPECGATE_BACKEND=NAME)"
+                    + (f"; it was recorded on {recorded!r}" if recorded else ""), pytrace=False)
     try:
-        return load_backend(_backend_name(request.config))
+        backend = load_backend(name)
     except BackendError as err:
         raise pytest.UsageError(str(err)) from None
+    request.node.user_properties.append(("specgate_replayed_on", name))
+    print(f"specgate: replaying on backend {name!r}")  # shown with -s, -rA, and on failure
+    return backend
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
