@@ -174,3 +174,25 @@ def test_the_driver_version_without_nvidia_smi() -> None:
     assert driver_version(answers(0, "570.124.06\n570.124.06\n")) == "570.124.06"
     assert driver_version(answers(9, "570.124.06\n")) == "unknown"
     assert driver_version(answers(0, "\n")) == "unknown"
+
+
+def test_an_interrupted_run_marks_the_tiers_it_cut_short() -> None:
+    """A tier whose checks did not all finish is "incomplete" with how many did not run, never
+    "passed"; one that finished whole keeps its status; one that never started is listed."""
+    from conformance.report.certificate import build_certificate, tier_table
+    from tests.test_merge import results
+
+    res = results("none", [("test_lossless.py::a", "passed", 1.0),
+                           ("test_lossless.py::b", "passed", 1.0),
+                           ("test_fuzz.py::c", "passed", 1.0)],
+                  interrupted=True, collected={"lossless": 5, "fuzz": 1, "memory": 3})
+    cert = build_certificate(res)
+    status = {t.tier: t.status for t in cert.tiers}
+    assert status == {"fuzz": "passed", "lossless": "incomplete", "memory": "incomplete"}
+    lossless = next(t for t in cert.tiers if t.tier == "lossless")
+    assert lossless.not_run == {"incomplete: the run was interrupted before they finished": 3}
+    assert cert.status == "incomplete"
+    assert "| lossless | 2 of 2 |" in tier_table(cert)
+    # a run that was not interrupted ignores what was collected
+    whole = build_certificate({**res, "interrupted": False})
+    assert {t.tier for t in whole.tiers} == {"fuzz", "lossless"}

@@ -108,10 +108,22 @@ def test_certify_writes_an_incomplete_certificate(random_model_dir: Path,
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     assert suite is not None
     total = int(suite.get("tests", -1))
-    assert total == sum(counts.values()) == len(cert["checks"]) > 0
-    assert int(suite.get("failures", -1)) + int(suite.get("errors", -1)) == counts["failed"]
+    # the checks that finished, plus one testcase saying the run is incomplete (an error, so a
+    # CI test report cannot read the finished checks as the whole run passing)
+    assert total == sum(counts.values()) + 1 == len(cert["checks"]) + 1 > 1
+    (marker,) = [c for c in suite.iter("testcase") if c.get("name") == "run_incomplete"]
+    error = marker.find("error")
+    assert error is not None and "the run was interrupted" in str(error.get("message"))
+    assert suite.get("specgate_incomplete") == "true"
+    assert int(suite.get("failures", -1)) + int(suite.get("errors", -1)) == counts["failed"] + 1
     assert int(suite.get("skipped", -1)) == counts["not claimed"] + counts["skipped"]
     assert total < 40, "the run was meant to be cut short"
+    # every tier it did not finish says so, with how many checks did not run
+    cut = [t for t in cert["tiers"] if t["status"] == "incomplete"]
+    assert cut, cert["tiers"]
+    assert all(any(w.startswith("incomplete: the run was interrupted") for w in t["not_run"])
+               for t in cut)
+    assert all(t["status"] != "passed" or sum(t["counts"].values()) > 0 for t in cert["tiers"])
     assert sorted(p.name for p in report.iterdir()) == ["junit.xml", "report.json",
                                                         "report.md"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".report.")], \

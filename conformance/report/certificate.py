@@ -42,6 +42,7 @@ from conformance.report.verdict import backend_rows, is_self_check
 from conformance.run.known_failures import KNOWN_FAILURE
 
 OUTCOMES = ("passed", "failed", KNOWN_FAILURE, "not claimed", "skipped")
+INCOMPLETE = "incomplete"  # a tier (or run) an interrupt cut short
 
 
 @dataclass
@@ -154,18 +155,27 @@ def build_certificate(results: dict[str, object]) -> Certificate:
     tiers: dict[str, list[dict[str, object]]] = {}
     for check in checks:
         tiers.setdefault(str(check["tier"]), []).append(check)
+    interrupted = bool(results.get("interrupted"))
+    # an interrupted run: the checks each tier was to run, so a tier cut short says so
+    collected: dict[str, int] = dict(results.get("collected", {})) if interrupted else {}  # type: ignore[call-overload]
+    for tier in collected:
+        tiers.setdefault(tier, [])
     summaries = []
     for tier, rows in sorted(tiers.items()):
         counts = Counter(str(r["outcome"]) for r in rows)
+        unfinished = max(0, int(collected.get(tier, 0)) - len(rows))
+        not_run = _not_run(rows)
+        if unfinished:
+            not_run[f"{INCOMPLETE}: the run was interrupted before they finished"] = unfinished
         summaries.append(TierSummary(
-            tier, {o: counts[o] for o in OUTCOMES}, _status(counts),
+            tier, {o: counts[o] for o in OUTCOMES}, INCOMPLETE if unfinished else _status(counts),
             round(sum(float(r["duration"]) for r in rows), 2),
             [{"check": str(r["nodeid"]), "message": str(r["message"]),
               **({"repro": str(r["repro"]),
                   "repro_reproduces": {True: "yes", False: "no"}.get(
                       r.get("repro_reproduces"), "not replayed")}  # type: ignore[arg-type]
                  if r.get("repro") else {})}
-             for r in rows if r["outcome"] == "failed"], _not_run(rows)))
+             for r in rows if r["outcome"] == "failed"], not_run))
     matrix: dict[str, dict[str, str]] = {}
     for tier, rows in sorted(tiers.items()):
         for cap in sorted({c for r in rows for c in str(r["requires"]).split(",") if c}):
@@ -178,7 +188,6 @@ def build_certificate(results: dict[str, object]) -> Certificate:
     failed = any(s.status == "failed" for s in summaries) or bool(vacuous) or bool(
         known and known["strict"] and known["stale"]) or any(  # type: ignore[index]
         c["outcome"] == "failed" for c in self_checks)
-    interrupted = bool(results.get("interrupted"))
     covered = coverage(checks, dict(results["capabilities"]))  # type: ignore[call-overload]
     required = results.get("require")
     unmet = covered.unmet(str(required)) if required else None
@@ -187,7 +196,7 @@ def build_certificate(results: dict[str, object]) -> Certificate:
         backend=dict(results["backend"]),  # type: ignore[arg-type]
         capabilities=dict(results["capabilities"]),  # type: ignore[arg-type]
         spec=str(results["spec"]), profile=str(results["profile"]), tiers=summaries,
-        status=("incomplete" if interrupted else
+        status=(INCOMPLETE if interrupted else
                 "failed" if failed or not summaries else "passed"),
         vacuous=vacuous or (None if summaries or interrupted else "zero checks collected"),
         environment=_environment(list(results.get("threads", [])),  # type: ignore[call-overload]

@@ -1,5 +1,6 @@
 """junit.xml after the suite ran: known failures marked as skipped (so a CI test report shows
-what the certificate says), and the shards' files joined into one (``specgate report merge``).
+what the certificate says), an interrupted run marked incomplete, and the shards' files joined
+into one (``specgate report merge``).
 
 pytest writes one ``<testsuite>`` whose ``<testcase classname="test_lossless" name="...">`` are
 the checks; a check's node id ``test_lossless.py::name`` maps to that pair.
@@ -51,6 +52,28 @@ def mark_known(path: Path, reasons: dict[str, str]) -> None:
             ET.SubElement(case, "skipped", type="known failure",
                           message=f"known failure: {reason}")
         _recount(suite)
+    _write(tree, path)
+
+
+def mark_incomplete(path: Path, finished: int, collected: int) -> None:
+    """An interrupted run's junit.xml says so: one more testcase, ``specgate.run_incomplete``,
+    with an error naming how many checks finished, so a CI test report cannot read the checks
+    that happened to finish as the whole run passing."""
+    if not path.exists():
+        return
+    tree = ET.parse(path)
+    suite = next(tree.getroot().iter("testsuite"), None)
+    if suite is None:
+        return
+    for nameless in [c for c in suite.findall("testcase") if not c.get("name")]:
+        suite.remove(nameless)  # what pytest leaves of a check cut short: no id, no verdict
+    case = ET.SubElement(suite, "testcase", classname="specgate", name="run_incomplete",
+                         time="0")
+    ET.SubElement(case, "error", type="incomplete",
+                  message=f"the run was interrupted: {finished} of {collected} checks finished; "
+                          "the rest did not run, and this run certifies nothing")
+    suite.set("specgate_incomplete", "true")
+    _recount(suite)
     _write(tree, path)
 
 

@@ -89,7 +89,7 @@ class Finish:
 
 
 def _finish(results: dict[str, object], finish: Finish, junit: Path) -> dict[str, object]:
-    from conformance.report.junit import mark_known
+    from conformance.report.junit import mark_incomplete, mark_known
     from conformance.run.known_failures import KNOWN_FAILURE, apply_known
     from conformance.version import specgate_version
 
@@ -99,6 +99,10 @@ def _finish(results: dict[str, object], finish: Finish, junit: Path) -> dict[str
     sel = finish.selection
     if sel and results.get("vacuous") == "zero checks collected":
         results["vacuous"] = f"zero checks collected: no check matches {sel.describe()}"
+    if results.get("interrupted"):
+        collected = results.get("collected") or {}
+        mark_incomplete(junit, len(results["checks"]),  # type: ignore[arg-type]
+                        sum(collected.values()))  # type: ignore[attr-defined]
     if finish.known is not None:
         results = apply_known(results, finish.known, finish.known_file, finish.strict_known,
                               date.today())

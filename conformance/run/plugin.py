@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -351,6 +352,7 @@ class ResultCollector:
         self.properties: dict[str, dict[str, object]] = {}  # node id -> its suite properties
         self.interrupted = False
         self.watchdog_dir: Path | None = None  # made when xdist starts its first worker
+        self.collected: Counter[str] = Counter()  # tier -> checks collected to run
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_configure_node(self, node: object) -> None:
@@ -361,6 +363,21 @@ class ResultCollector:
 
     def pytest_keyboard_interrupt(self) -> None:
         self.interrupted = True  # the results then cover only the checks that completed
+
+    def _collected(self, nodeids: list[str]) -> None:
+        """The checks each tier was to run, so an interrupted run can say which tiers only
+        partly ran (every xdist worker reports the same collection; the first is kept)."""
+        if not self.collected:
+            tiers = self.known_tiers()
+            self.collected = Counter(t for t in map(tier_of, nodeids) if t in tiers)
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        if session.items:  # in-process (under xdist the controller collects nothing)
+            self._collected([item.nodeid for item in session.items])
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: object, ids: list[str]) -> None:
+        self._collected(list(ids))
 
     def _crashed(self, report: pytest.TestReport) -> None:
         """xdist's report for a check whose worker died (its own phase name is not one of
@@ -444,6 +461,6 @@ class ResultCollector:
                 "model": ctx.model,
                 "draft_model": self.config.getoption("--specgate-draft-model") or None,
                 "environment": run_environment(ctx.device, ctx.caps.precision),
-                "vacuous": vacuous,
+                "vacuous": vacuous, "collected": dict(self.collected),
                 "interrupted": self.interrupted, "checks": rows,
             }, indent=1))
