@@ -15,7 +15,10 @@ Named on the command line as ``--backend tests.conforming_variants:<factory>``:
 * ``queueing``: meets memory pressure by queueing instead of retracting. It admits a waiting
   request only when the KV pool can hold its whole run (prompt plus ``max_new_tokens`` and a
   decode step's reservation) beside what the running requests may still grow to, so it never
-  retracts; it does not claim ``forced_retract``.
+  retracts; it does not claim ``forced_retract``;
+* ``fixed_pages``: pool pages must be a multiple of ``FIXED_PAGE`` tokens (as vLLM's CPU
+  attention takes multiples of 32 only): declares ``page_multiple`` and refuses any other
+  page size (``Capabilities.page_multiple``, docs/adapter.md).
 """
 
 from __future__ import annotations
@@ -156,6 +159,22 @@ class QueueingBackend(RefEngineBackend):
                                   "run fits"}
 
 
+FIXED_PAGE = 32
+
+
+class FixedPagesBackend(RefEngineBackend):
+    name = "variant:fixed_pages"
+
+    def capabilities(self) -> Capabilities:
+        return replace(super().capabilities(), page_multiple=FIXED_PAGE)
+
+    def open(self, cfg: OpenConfig) -> RefEngineHandle:
+        if cfg.page_size is not None and cfg.page_size % FIXED_PAGE:
+            raise ValueError(f"page_size: pages of a multiple of {FIXED_PAGE} tokens only, "
+                             f"not {cfg.page_size}")
+        return super().open(cfg)
+
+
 def whole_prefill() -> WholePrefillBackend:
     return WholePrefillBackend()
 
@@ -170,6 +189,10 @@ def run_to_completion() -> RunToCompletionBackend:
 
 def queueing() -> QueueingBackend:
     return QueueingBackend()
+
+
+def fixed_pages() -> FixedPagesBackend:
+    return FixedPagesBackend()
 
 
 class ClaimsChunkedPrefillWithout(WholePrefillBackend):
@@ -187,3 +210,17 @@ class ClaimsChunkedPrefillWithout(WholePrefillBackend):
 
 def claims_chunked_prefill_without() -> ClaimsChunkedPrefillWithout:
     return ClaimsChunkedPrefillWithout()
+
+
+class IgnoresPageSize(RefEngineBackend):
+    """Not a conforming variant: claims ``memory_view`` and runs pages of one token whatever
+    page size it is asked. The driver's page-size check must fail it."""
+
+    name = "variant:ignores_page_size"
+
+    def open(self, cfg: OpenConfig) -> RefEngineHandle:
+        return super().open(replace(cfg, page_size=None))
+
+
+def ignores_page_size() -> IgnoresPageSize:
+    return IgnoresPageSize()

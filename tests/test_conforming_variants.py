@@ -17,7 +17,7 @@ import pytest
 from conformance.run.specs import SPECS
 from conformance.run.suite import SuiteOptions, run_suite
 
-VARIANTS = ("whole_prefill", "no_memory_view", "run_to_completion", "queueing")
+VARIANTS = ("whole_prefill", "no_memory_view", "run_to_completion", "queueing", "fixed_pages")
 PRECONDITION_TIERS = "test_lifecycle or test_memory or test_sessions"
 
 

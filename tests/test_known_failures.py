@@ -112,11 +112,26 @@ def test_the_file_parses(tmp_path: Path) -> None:
         KnownFailure("test_a.py::long[x,y]", "the long form", date(2026, 12, 31), "eagle")]
 
 
+def test_an_entry_may_name_several_specs(tmp_path: Path) -> None:
+    """One id is one TOML key, so a check failing under several specs lists them all; the
+    entry excuses nothing elsewhere (a spec where the check passes sees no stale entry)."""
+    (tmp_path / "kf.toml").write_text('[known-failures."test_a.py::fails"]\n'
+                                      'reason = "r"\nspec = ["eagle", "ngram"]\n')
+    entries = load_known(tmp_path / "kf.toml")
+    assert entries == [KnownFailure("test_a.py::fails", "r", spec=("eagle", "ngram"))]
+    for spec, outcome in (("eagle", "known failure"), ("ngram", "known failure"),
+                          ("none", "failed")):
+        done = apply_known(results(spec, CHECKS[:1]), entries, "kf.toml", False, TODAY)
+        assert done["checks"][0]["outcome"] == outcome, spec  # type: ignore[index]
+        assert not done["known_failures"]["unknown"]  # type: ignore[index]
+
+
 @pytest.mark.parametrize("text, needle", [
     ("[known-failures\n", "not valid TOML"),
     ('[known-failures."t.py::a"]\nreason = "r"\nowner = "me"\n', "unknown field(s) owner"),
     ('[known-failures."t.py::a"]\nexpires = 2026-01-01\n', "needs a reason"),
     ('[known-failures."t.py::a"]\nreason = "r"\nexpires = "soon"\n', "expires must be a TOML date"),
+    ('[known-failures."t.py::a"]\nreason = "r"\nspec = []\n', "spec must be a string or"),
     ('[known-failures]\n"t.py::a" = 3\n', "expected a reason or a table"),
     ('[known-failures]\n"not-an-id" = "r"\n', "is not a check id"),
     ('[other]\n"t.py::a" = "r"\n', "expected only a [known-failures] table"),

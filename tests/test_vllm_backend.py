@@ -128,8 +128,8 @@ def oracle():
 def test_capabilities_and_reasons_are_consistent(vllm_backend):
     reasons = unclaimed_reasons(vllm_backend)   # raises on a claimed or unknown key
     caps = vllm_backend.capabilities()
-    assert caps.stepwise and caps.abort
-    assert "algorithm:frozen_kv_mtp" in reasons and "memory_view" in reasons
+    assert caps.stepwise and caps.abort and caps.memory_view and caps.page_multiple == 32
+    assert "algorithm:frozen_kv_mtp" in reasons and "memory_view" not in reasons
 
 
 @needs_vllm
@@ -197,6 +197,19 @@ def test_refuses_what_it_cannot_run(vllm_backend):
         vllm_backend.open(OpenConfig(spec=mtp))
     with pytest.raises(ValueError, match=r"^device: "):
         vllm_backend.open(OpenConfig(device="cuda"))
+
+
+@needs_vllm
+def test_page_size_is_a_block_size_of_a_multiple_of_32():
+    """The suite asks only multiples of ``page_multiple``; anything else is refused, naming
+    ``page_size``, before vLLM starts."""
+    from conformance.backends.vllm.adapter import engine_args
+
+    assert engine_args(OpenConfig())[0].block_size == 32
+    assert engine_args(OpenConfig(page_size=64, kv_pool_tokens=100))[0].block_size == 64
+    for page in (1, 4, 48):
+        with pytest.raises(ValueError, match=r"^page_size: .*multiples of 32 only, not "):
+            engine_args(OpenConfig(page_size=page))
 
 
 @needs_vllm

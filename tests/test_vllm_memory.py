@@ -10,7 +10,7 @@ vLLM's CPU build in the running interpreter (docs/backends/vllm.md) and skip wit
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -175,9 +175,10 @@ def _leak_one_block(monkeypatch) -> list[object]:
 def _drive(backend, spec: SpecConfig | None) -> Driver:
     """Ten requests of growing length through the suite's driver, in a pool that holds about
     three of them: M1-M3 after every step, M4/M5 once idle."""
-    handle = backend.open(OpenConfig(spec=spec, kv_pool_tokens=PLAIN_POOL, page_size=4,
-                                     max_running_requests=16))
-    driver = Driver(handle, replace(backend.capabilities(), memory_view=True))
+    config = OpenConfig(spec=spec, kv_pool_tokens=PLAIN_POOL, page_size=32,
+                        max_running_requests=16)
+    handle = backend.open(config)
+    driver = Driver(handle, backend.capabilities(), config=config)
     try:
         # the pool lowers vLLM's max_model_len to 416: a request that could outgrow it is
         # refused at submit, naming the pool, rather than cut short by length

@@ -1,6 +1,6 @@
 """Memory and lifecycle invariants the suite checks from outside, after every step, over the
 contract's ``MemoryView``: M1 conservation, M2 bounds, M3 sequential length, M4 idle, M5
-sessions closed.
+sessions closed; and that the view's pages are the size the backend was asked for.
 
 The suite's own code: the reference engine states M1/M2 for its internal strict check, but an
 oracle shares no code with the engine it judges. M3 needs the suite's record of what each
@@ -81,6 +81,17 @@ def sessions_closed_error(view: MemoryView) -> str | None:
     if view.free != view.capacity:
         return f"M5 sessions closed: free {view.free} != capacity {view.capacity}"
     return None
+
+
+def page_size_error(view: MemoryView, asked: int | None) -> str | None:
+    """The view's pages are the size the backend was opened with (``OpenConfig.page_size``,
+    which the suite has already rounded up to the backend's ``page_multiple``); None: the
+    backend chose, nothing to compare."""
+    if asked is None or view.page_size == asked:
+        return None
+    return (f"page size: the memory view reports page_size {view.page_size}, but the backend "
+            f"was opened with page_size {asked} (a backend that cannot honour a page size "
+            "declares Capabilities.page_multiple; docs/adapter.md)")
 
 
 def check_busy(view: MemoryView, prompt_lens: dict[str, int], output_lens: dict[str, int],

@@ -16,6 +16,7 @@ from conformance.contract.adapter import (
     EngineHandle,
     OpenConfig,
     Request,
+    effective_page_size,
     is_device_name,
     unclaimed_reasons,
     unclaimed_under,
@@ -51,5 +52,6 @@ __all__ = [
     "FinishEvent", "FinishReason", "GraphCase", "GraphProbe", "GraphRun", "KernelImpls",
     "KeyWidthProbe", "MemoryView", "Mode", "OpenConfig", "PaddingPolicy", "PhaseRecord", "ReqKV",
     "Request", "RetractEvent", "SamplingParams", "SpecConfig", "TokenEvent", "VerifyGreedy",
-    "WorkerHooks", "is_device_name", "unclaimed_reasons", "unclaimed_under",
+    "WorkerHooks", "effective_page_size", "is_device_name", "unclaimed_reasons",
+    "unclaimed_under",
 ]

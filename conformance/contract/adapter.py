@@ -43,6 +43,9 @@ class Capabilities:
     kernels: bool = False            # exposes kernel_impls() for the kernel tier
     in_flight: bool = False          # handle.in_flight(): requests with a launched, unresolved
                                      # step (overlap scheduling), so the suite can act on them
+    page_multiple: int = 1           # pool pages must be a multiple of this many tokens: the
+                                     # suite asks page sizes rounded up to it (not a flag;
+                                     # effective_page_size)
 
     def __post_init__(self) -> None:
         unknown = set(self.algorithms) - ALGORITHMS
@@ -50,6 +53,10 @@ class Capabilities:
             raise ValueError(f"algorithms: unknown {sorted(unknown)} (known: {sorted(ALGORITHMS)})")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision: unknown {self.precision!r} (known: {sorted(PRECISIONS)})")
+        # bool is an int subclass: True is a mistake, not 1
+        if type(self.page_multiple) is not int or self.page_multiple < 1:
+            raise ValueError(f"page_multiple: expected a positive integer, got "
+                             f"{self.page_multiple!r:.40}")
 
     def claims(self, name: str) -> bool:
         """``name`` is a flag ("abort") or an algorithm ("algorithm:eagle")."""
@@ -61,11 +68,20 @@ class Capabilities:
 
     def as_dict(self) -> dict[str, object]:
         return {"algorithms": sorted(self.algorithms), "precision": self.precision,
+                "page_multiple": self.page_multiple,
                 **{n: bool(getattr(self, n)) for n in sorted(FLAG_NAMES)}}
 
 
 FLAG_NAMES = frozenset(f for f in Capabilities.__dataclass_fields__
-                       if f not in ("algorithms", "precision"))
+                       if f not in ("algorithms", "precision", "page_multiple"))
+
+
+def effective_page_size(caps: Capabilities, page_size: int) -> int:
+    """The page size the suite asks of a backend where a check is written for ``page_size``:
+    rounded up to the next multiple of ``caps.page_multiple`` (docs/adapter.md, "Page
+    sizes"), so a pool of fixed granularity is never asked what it cannot honour."""
+    multiple = caps.page_multiple
+    return -(-page_size // multiple) * multiple
 
 
 @dataclass(frozen=True)

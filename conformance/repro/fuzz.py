@@ -37,6 +37,7 @@ MAX_LIVE = 6            # requests in flight at once: enough for batches, small 
 MAX_NEW = 24
 TIGHT_POOL_PROMPT = 96  # prompt tokens at most in a tight pool (each request must fit alone)
 BOUNDARIES = (512, 1024)
+PAGE_SIZES = (1, 4)     # asked of a memory_view backend, each rounded up to its page_multiple
 SESSIONS = ("chat-a", "chat-b")
 
 
@@ -71,6 +72,7 @@ class FuzzTarget:
     prompts: tuple[PromptCase, ...]
     recorded: RecordedRuns
     step_tokens: int = 1  # slots a step may hold per request past its sequence
+    page_sizes: tuple[int, ...] = PAGE_SIZES  # what an example may ask, as the backend runs them
 
 
 def machine_for(target: FuzzTarget) -> type[RuleBasedStateMachine]:
@@ -96,7 +98,7 @@ class AdapterMachine(RuleBasedStateMachine):
         t, caps = self.target, self.target.caps
         limits: dict[str, int] = {}
         if caps.memory_view:
-            page = data.draw(st.sampled_from([1, 4]), label="page_size")
+            page = data.draw(st.sampled_from(t.page_sizes), label="page_size")
             limits["page_size"] = page
             self.tight = data.draw(st.booleans(), label="tight pool")
             need = TIGHT_POOL_PROMPT + MAX_NEW + 2 * page + 4 * t.step_tokens

@@ -15,7 +15,7 @@ chooses the same way.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from conformance.checks.invariants import InvariantError
 from conformance.checks.oracle import NEAR_TIE_EPSILON, ReferenceOracle
@@ -26,6 +26,7 @@ from conformance.contract import (
     MemoryView,
     SamplingParams,
     TokenEvent,
+    effective_page_size,
 )
 from conformance.repro.scenario import (
     Abort,
@@ -140,16 +141,21 @@ class ActionRunner:
     @classmethod
     def open(cls, backend: Backend, caps: Capabilities, run: Run, oracle: ReferenceOracle,
              number: int = 0) -> ActionRunner:
+        """Open ``backend`` with the run's config, its page size rounded up to what the
+        backend can honour (``effective_page_size``): a scenario recorded on another
+        backend replays at the nearest page size this one runs."""
+        config = run.config
+        if config.page_size is not None:
+            config = replace(config, page_size=effective_page_size(caps, config.page_size))
         try:
             with backend_call("backend.open()"):
-                handle = backend.open(run.config)
+                handle = backend.open(config)
         except Exception as err:
             raise Diverged(Divergence(number, -1, "open the backend", 0, None,
                                       "the backend opens with the run's config",
                                       _raised(err))) from err
-        spec = run.config.spec
-        driver = Driver(handle, caps, overlap=spec is not None and spec.overlap,
-                        config=run.config)
+        spec = config.spec
+        driver = Driver(handle, caps, overlap=spec is not None and spec.overlap, config=config)
         return cls(driver, oracle, NEAR_TIE_EPSILON[caps.precision], number)
 
     def close(self) -> None:

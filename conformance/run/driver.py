@@ -2,7 +2,8 @@
 
 After each ``step()`` it checks the event stream (tokens only for live requests, one finish per
 request, finish output == the tokens streamed) and, when the backend claims ``memory_view``,
-the memory invariants M1-M3; whenever nothing is live, M4 (and M5 once no session is open). For
+that the view's pages are the size its ``config`` asked, the memory invariants M1-M3, and
+whenever nothing is live, M4 (and M5 once no session is open). For
 a streaming session's turn it knows the whole context (earlier turns' prompts and outputs, then
 the turn's new tokens) and checks the inherited KV the turn reports: exactly the context before
 it minus its final token, the previous turn's completion included. A run that stops making
@@ -24,7 +25,12 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 
-from conformance.checks.invariants import InvariantError, check_busy, check_idle
+from conformance.checks.invariants import (
+    InvariantError,
+    check_busy,
+    check_idle,
+    page_size_error,
+)
 from conformance.contract import (
     Capabilities,
     EngineHandle,
@@ -151,6 +157,10 @@ class Driver:
             with self._calling(f"handle.memory() after step {self.steps}"):
                 view = self.handle.memory()
             self.view = view
+            asked = None if self.config is None else self.config.page_size
+            problem = page_size_error(view, asked)
+            if problem:
+                raise InvariantError(f"{where}: {problem}")
             if self.live:
                 check_busy(view, self.prompt_lens,
                            {r: len(t) for r, t in self.streamed.items()}, where, self.overlap)

@@ -5,7 +5,8 @@ The file is TOML (stdlib ``tomllib``; ``tomli`` on Python 3.10), one table per c
     [known-failures."test_lossless.py::test_greedy_matches_reference[chain-s3-n4-batch-1]"]
     reason = "tracked in #123"
     expires = 2026-12-31    # optional: from the next day on it excuses nothing
-    spec = "eagle"          # optional: only in this spec's certificate
+    spec = "eagle"          # optional: only in this spec's certificate (or a list of specs:
+                            # one id can be listed once, and may fail under several)
 
 or the short form ``"<check id>" = "<reason>"`` inside ``[known-failures]``.
 
@@ -35,7 +36,12 @@ class KnownFailure:
     check: str
     reason: str
     expires: date | None = None
-    spec: str | None = None
+    spec: str | tuple[str, ...] | None = None  # None: every spec
+
+    def covers(self, spec: str) -> bool:
+        """Whether the entry applies in ``spec``'s certificate."""
+        return self.spec is None or spec in ((self.spec,) if isinstance(self.spec, str)
+                                             else self.spec)
 
 
 @dataclass
@@ -67,8 +73,11 @@ def _entry(check: str, value: object, where: str) -> KnownFailure:
     if expires is not None and (not isinstance(expires, date) or hasattr(expires, "hour")):
         raise ValueError(f"{where}: {check!r}: expires must be a TOML date (2026-12-31), "
                          f"got {expires!r}")
-    if spec is not None and not isinstance(spec, str):
-        raise ValueError(f"{where}: {check!r}: spec must be a string, got {spec!r}")
+    if isinstance(spec, list) and spec and all(isinstance(s, str) and s for s in spec):
+        spec = tuple(spec)
+    elif spec is not None and not isinstance(spec, str):
+        raise ValueError(f"{where}: {check!r}: spec must be a string or a non-empty list of "
+                         f"strings, got {spec!r:.80}")
     if "::" not in check:
         raise ValueError(f"{where}: {check!r} is not a check id (file.py::name[...])")
     return KnownFailure(check, reason.strip(), expires, spec)
@@ -91,7 +100,7 @@ def apply_known(results: dict[str, object], entries: list[KnownFailure], file: s
     """``results`` with listed failures turned into known failures, and a ``known_failures``
     record of what every entry for this spec did."""
     spec = results["spec"]
-    mine = {e.check: e for e in entries if e.spec in (None, spec)}
+    mine = {e.check: e for e in entries if e.covers(str(spec))}
     report = KnownReport(file, strict)
     checks = []
     for row in results["checks"]:  # type: ignore[attr-defined]

@@ -10,7 +10,7 @@ from typing import Literal
 import pytest
 
 from conformance.checks.oracle import NEAR_TIE_EPSILON
-from conformance.contract import SamplingParams, SpecConfig
+from conformance.contract import SamplingParams, SpecConfig, effective_page_size
 from conformance.run.driver import Driver, Outcome, backend_call, step_budget
 from conformance.run.plugin import SuiteContext, context
 from conformance.run.pressure import widest_config
@@ -20,7 +20,8 @@ from conformance.run.specs import config_id
 from refengine.data import fixture_names
 
 # Page size 4 only where there are pages to size: backends that claim a paged pool
-# (memory_view); any other backend runs the page-size-1 case once.
+# (memory_view); any other backend runs the page-size-1 case once. Each is asked rounded up
+# to the backend's page_multiple (page_for).
 PAGE_SIZES = [1, pytest.param(4, marks=pytest.mark.specgate_requires("memory_view"))]
 
 LONG_PREFILL_CHUNK = 96  # max_prefill_tokens for long requests: some chunk straddles each boundary
@@ -117,12 +118,24 @@ def pressure_configs(sg: SuiteContext) -> tuple[SpecConfig | None, ...]:
     return sg.spec.configs
 
 
+def page_for(sg: SuiteContext, asked: int) -> int:
+    """The page size a check written for ``asked`` runs at on the backend under test
+    (``effective_page_size``: a multiple of its ``page_multiple``); where that differs, the
+    check's ``page_size_run`` figure says so (report.md, Figures)."""
+    page = effective_page_size(sg.caps, asked)
+    if page != asked:
+        sg.extend_property("page_size_run", [f"{page} (asked {asked})"])
+    return page
+
+
 @contextmanager
 def open_driver(sg: SuiteContext, spec: SpecConfig | Literal["first"] | None = "first",
                 **limits: int) -> Iterator[Driver]:
     """A fresh engine instance of the backend under test. ``spec``: a configuration of the
     spec being certified; by default its first one."""
     chosen = sg.spec.configs[0] if spec == "first" else spec
+    if "page_size" in limits:
+        limits["page_size"] = page_for(sg, limits["page_size"])
     config = sg.open_config(chosen, **limits)
     with backend_call("backend.open()"):
         handle = sg.backend.open(config)

@@ -22,8 +22,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from conformance.repro.fuzz import FuzzTarget, machine_for, shrink_budget
+from conformance.repro.fuzz import PAGE_SIZES, FuzzTarget, machine_for, shrink_budget
 from conformance.run.plugin import SuiteContext
+from conformance.suites.support import page_for
 
 pytestmark = pytest.mark.specgate_tier("fuzz")
 
@@ -32,9 +33,13 @@ STEPS_PER_EXAMPLE = 16  # rules per example at most
 
 def test_state_machine(sg: SuiteContext, record_property) -> None:
     spec = sg.spec.configs[0]
+    # page sizes are asked only of a backend claiming memory_view (the machine's open_engine)
+    pages = (tuple(sorted({page_for(sg, p) for p in PAGE_SIZES})) if sg.caps.memory_view
+             else PAGE_SIZES)
     target = FuzzTarget(sg.backend, sg.caps, partial(sg.open_config, spec), sg.oracle,
                         sg.prompts, sg.recorded,
-                        step_tokens=1 if spec is None else spec.num_draft_tokens)
+                        step_tokens=1 if spec is None else spec.num_draft_tokens,
+                        page_sizes=pages)
     chosen = settings(max_examples=sg.profile.fuzz_examples,
                       stateful_step_count=STEPS_PER_EXAMPLE, derandomize=True, database=None,
                       deadline=None, print_blob=False, report_multiple_bugs=False,

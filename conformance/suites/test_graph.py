@@ -44,6 +44,7 @@ from conformance.checks.graph import (
 from conformance.contract import GraphProbe, KeyWidthProbe
 from conformance.run.plugin import SuiteContext
 from conformance.run.requests import context_limit
+from conformance.suites.support import page_for
 
 pytestmark = [pytest.mark.specgate_tier("graph"), pytest.mark.specgate_requires("graph_runner")]
 
@@ -58,6 +59,7 @@ WIDTH_POOL_SPARE = 512  # tokens past the longest context: the short requests, t
 
 
 def _open_probe(sg: SuiteContext, **limits: int) -> Iterator[GraphProbe]:
+    limits["page_size"] = page_for(sg, limits["page_size"])
     handle = sg.backend.open(sg.open_config(sg.spec.configs[0], **limits))
     try:
         made = handle.graph_probe()  # type: ignore[attr-defined]

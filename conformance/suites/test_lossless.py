@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 
+from conformance.checks.ngram_drafts import determined_steps, violations
 from conformance.contract import SamplingParams, SpecConfig
 from conformance.run.plugin import SuiteContext
 from conformance.suites.support import (
@@ -25,6 +26,7 @@ from conformance.suites.support import (
     greedy,
     key_width_requests,
     long_context_requests,
+    model_property,
     open_driver,
     parametrize_context_boundaries,
     parametrize_spec_configs,
@@ -128,3 +130,33 @@ def test_graph_runner_across_key_widths(sg: SuiteContext) -> None:
         outcomes = run_all(driver, requests)
     assert_matches_oracle(sg, outcomes, requests)
     assert_length_limited(sg, outcomes, requests)
+
+
+@pytest.mark.specgate_requires("acceptance_stats")
+def test_ngram_steps_accept_what_every_lookup_proposes(sg: SuiteContext,
+                                                        spec_config: SpecConfig | None,
+                                                        record_property) -> None:
+    """Prompt lookup: at every verify step whose first drafts every correct n-gram drafter
+    agrees on (``conformance.checks.ngram_drafts``), each greedy request of the prompt set, in
+    one batch, emits what a correct verify of those drafts emits. It reads only the backend's
+    own outputs, so it holds whichever occurrence a lookup prefers (refengine's latest, vLLM's
+    earliest), where the golden tier's traces cannot. Requires: the ngram algorithm (other
+    specs: not applicable), acceptance_stats."""
+    if spec_config is None or spec_config.algorithm != "ngram":
+        pytest.skip("not applicable: checks n-gram (prompt lookup) speculation only")
+    requests = {c.id: (list(c.ids), greedy(sg.profile.max_new_tokens)) for c in sg.prompts}
+    with open_driver(sg, spec_config) as driver:
+        outcomes = run_all(driver, requests)
+    rules = {rid: determined_steps(prompt, outcomes[rid].output_ids, outcomes[rid].accept_lens,
+                                   spec_config.num_steps)
+             for rid, (prompt, _) in requests.items()}
+    determined = sum(len(r) for r in rules.values())
+    record_property("determined_steps",
+                    f"{determined} of {sum(len(o.accept_lens) for o in outcomes.values())}")
+    model_property(sg, determined > 0, "no determined step: no verify step of the prompt set "
+                   "has drafts every prompt-lookup drafter agrees on")
+    bad = [f"{rid}: {v.describe()}" for rid, r in rules.items()
+           for v in violations(r, outcomes[rid].accept_lens)]
+    assert not bad, (f"{len(bad)} of {determined} determined verify steps emitted what no "
+                     f"correct verify of the drafts every prompt-lookup drafter proposes "
+                     f"could: {bad[:5]}")

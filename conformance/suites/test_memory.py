@@ -30,6 +30,7 @@ from conformance.suites.support import (
     key_width_requests,
     long_context_requests,
     open_driver,
+    page_for,
     parametrize_context_boundaries,
     parametrize_spec_configs,
     pressure_configs,
@@ -60,7 +61,9 @@ def _load_mix(sg: SuiteContext, spec: SpecConfig | None, requests: Requests, rng
               abort_fraction: float, page_size: int, record_property, **limits: int
               ) -> dict[str, Outcome]:
     """Run ``requests`` in waves under ``spec`` in a pool that puts them under pressure, some
-    aborted; the outputs of those not aborted must be the reference's. Returns the outcomes."""
+    aborted; the outputs of those not aborted must be the reference's. The pool is sized in
+    pages of the size the backend runs (``page_for``). Returns the outcomes."""
+    page_size = page_for(sg, page_size)
     limit = context_limit(sg.model)
     need = {rid: min(len(p) + s.max_new_tokens, limit) for rid, (p, s) in requests.items()}
     # Room for the longest request alone, with head-room for the slots a speculative step

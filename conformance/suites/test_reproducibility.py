@@ -2,8 +2,11 @@
 
 * Same seed, same tokens: a seeded request gives one stream alone, in a second engine instance
   opened with another engine seed, and inside a batch of other sampled and greedy requests (at
-  another batch position, beside a twin with the same prompt and seed under another request
-  id); under plain decoding also after forced retractions.
+  another batch position, between sampled requests of other temperature, top-k and top-p
+  settings, beside a twin with the same prompt and seed under another request id); under
+  plain decoding also after forced retractions. The neighbours' settings differ so that a
+  backend handing a request its neighbour's parameters (per-request parameters expanded to
+  the wrong per-token rows) draws other tokens: with one setting for all it could not show.
 * Different seeds, different streams: requests with one prompt and distinct seeds, in one batch,
   give pairwise different streams.
 * Unseeded requests are independent draws: requests with one prompt and no seed, in one batch,
@@ -23,6 +26,7 @@ streams (exact per-token probabilities from the reference oracle) and require it
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import combinations
 
 import pytest
@@ -40,6 +44,10 @@ TEMPERATURE = 1.0
 PROBE_SEED = 7
 STREAMS = 6               # requests per different-streams check
 MAX_COLLISION = 1e-6      # estimated chance that two honest streams coincide
+# the settings of the probe's sampled batch neighbours, each unlike the probe's (temperature
+# 1, no top-k, no top-p) in every parameter it sets
+NEIGHBOUR_SETTINGS = ({"temperature": 0.7, "top_k": 4}, {"temperature": 1.3, "top_p": 0.6},
+                      {"temperature": 0.5, "top_k": 8, "top_p": 0.8})
 
 Requests = dict[str, tuple[list[int], SamplingParams]]
 
@@ -90,20 +98,24 @@ def _stream_probability(sg: SuiteContext, prompt: list[int], stream: list[int]) 
 
 @pytest.mark.specgate_requires("seeded_sampling")
 def test_seed_fixes_the_stream_whatever_the_batch(sg: SuiteContext) -> None:
-    """One seeded request alone, alone in an instance opened with another engine seed, and last
-    in a batch of other sampled and greedy requests beside a twin (same prompt and seed, another
-    request id): the same tokens every time."""
+    """One seeded request alone, alone in an instance opened with another engine seed, and in a
+    batch beside a twin (same prompt and seed, another request id): the same tokens every time.
+    In the batch, after a greedy request, the probe and the twin each sit between sampled
+    requests of other settings (``NEIGHBOUR_SETTINGS``)."""
     prompt = list(sg.prompts[0].ids)
     alone = _run(sg, {"probe": (prompt, sampled(PROBE_SEED))})["probe"].output_ids
     _assert_same(_run(sg, {"probe": (prompt, sampled(PROBE_SEED))}, seed=1),
                  alone, "another engine instance with another engine seed")
-    others: Requests = {f"other-{i}": (list(c.ids), sampled(PROBE_SEED + i))
-                        for i, c in enumerate(sg.prompts[1:4], start=1)}
-    others["greedy"] = (list(sg.prompts[1].ids), greedy(TOKENS))
-    batch = _run(sg, {**others, "probe": (prompt, sampled(PROBE_SEED)),
-                      "twin": (prompt, sampled(PROBE_SEED))})
-    _assert_same({r: batch[r] for r in ("probe", "twin")}, alone,
-                 f"in a batch of {len(others) + 2} (alone: batch of 1)")
+    other = {i: (list(c.ids), replace(sampled(PROBE_SEED + i), **setting))
+             for i, (c, setting) in enumerate(zip(sg.prompts[1:4], NEIGHBOUR_SETTINGS,
+                                                  strict=True), start=1)}
+    requests: Requests = {"greedy": (list(sg.prompts[1].ids), greedy(TOKENS)),
+                          "other-1": other[1], "probe": (prompt, sampled(PROBE_SEED)),
+                          "other-2": other[2], "twin": (prompt, sampled(PROBE_SEED)),
+                          "other-3": other[3]}
+    _assert_same({r: o for r, o in _run(sg, requests).items() if r in ("probe", "twin")}, alone,
+                 f"in a batch of {len(requests)}, between sampled requests of other settings "
+                 "(alone: batch of 1)")
 
 
 @pytest.mark.specgate_requires("seeded_sampling", "stepwise", "forced_retract")

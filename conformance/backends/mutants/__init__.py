@@ -14,8 +14,9 @@ ignored sampling seeds, batch-dependent attention, stale graph padding (a mutant
 with the graph runner on, ``Mutant.graphs``), lossless draft-side regressions that only
 acceptance shows (the golden tier's per-step check; n-gram contexts missing tokens among
 them); and speculative-sampling bugs that only show in the distribution of sampled tokens:
-``biased_verify_sampler`` (the distribution tier's negative control) and verify paths that
-misapply top-p or temperature. Mutants of shared code
+``biased_verify_sampler`` (the distribution tier's negative control), verify paths that
+misapply top-p or temperature; and verify rows given a batch neighbour's sampling
+parameters, which shows only where a batch mixes settings. Mutants of shared code
 written as source patches live in ``source_patches.py``. A mutant with ``spec`` other than
 "none" behaves exactly like the reference engine under plain decoding.
 """
@@ -56,6 +57,7 @@ from conformance.backends.mutants.overlap import (
 from conformance.backends.mutants.sampling import (
     BiasedVerifySampler,
     VerifyIgnoresTopP,
+    VerifyParamsFromPreviousRow,
     VerifyTemperatureMisapplied,
 )
 from conformance.backends.mutants.sessions import StopRunNotCompacted, StopTurnEndsWithEOS
@@ -174,6 +176,9 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("verify_temperature_misapplied", VerifyTemperatureMisapplied,
            spec="eagle",
            killed_by="test_distribution.py::test_sampled_tokens_follow_target_distribution[top-k-top-p]"),
+    Mutant("verify_params_from_previous_row", VerifyParamsFromPreviousRow,
+           spec="eagle",
+           killed_by="test_reproducibility.py::test_seed_fixes_the_stream_whatever_the_batch"),
     Mutant("stop_turn_ends_with_eos", StopTurnEndsWithEOS,
            killed_by="test_sessions.py::test_turns_ending_by_stop"),
     Mutant("stop_run_not_compacted", StopRunNotCompacted, spec="eagle-tree",

@@ -1,6 +1,6 @@
 """Speculative-sampling mutants: a verifier whose rejection residual keeps the rejected drafts
-(the distribution tier's negative control), and verify paths that misapply top-p or
-temperature."""
+(the distribution tier's negative control), verify paths that misapply top-p or temperature,
+and one that hands each request's verify rows its batch neighbour's parameters."""
 
 from __future__ import annotations
 
@@ -82,16 +82,28 @@ def drop_temperature(params: SamplingParams) -> SamplingParams:
     return params if params.greedy else replace(params, temperature=1.0)
 
 
-class _VerifyParamsAltered(SpeculativeWorker):
-    """Verify sees each sampled request's params through ``verify_params``: its target
-    distribution is built from them, while the plain (prefill) sampler uses the real ones."""
+def from_previous_row(batch: list[SamplingParams]) -> list[SamplingParams]:
+    """BUG: per-request temperature, top-k and top-p expanded to the verify rows one request
+    off: each sampled request gets those of the request before it in the batch (the first,
+    the last's). Whether a request is greedy, and its seed, stay its own; a greedy
+    neighbour's temperature reads as 1 (vLLM's expansion replaces the greedy marker so)."""
+    shifted = batch[-1:] + batch[:-1]
+    return [own if own.greedy else replace(own, temperature=prev.temperature or 1.0,
+                                           top_k=prev.top_k, top_p=prev.top_p)
+            for own, prev in zip(batch, shifted, strict=True)]
 
-    verify_params: ClassVar[Callable[[SamplingParams], SamplingParams]]
+
+class _VerifyParamsAltered(SpeculativeWorker):
+    """Verify sees the batch's params through ``verify_params`` (the batch's list in, one per
+    request out): each target distribution is built from them, while the plain (prefill)
+    sampler uses the real ones."""
+
+    verify_params: ClassVar[Callable[[list[SamplingParams]], list[SamplingParams]]]
 
     def verify(self, reqs: list[Req], verify_input: VerifyInput) -> VerifyOutcome:
         own = [req.params for req in reqs]
-        for req in reqs:
-            req.params = type(self).verify_params(req.params)
+        for req, params in zip(reqs, type(self).verify_params(own), strict=True):
+            req.params = params
         try:
             return super().verify(reqs, verify_input)
         finally:
@@ -99,12 +111,22 @@ class _VerifyParamsAltered(SpeculativeWorker):
                 req.params = params
 
 
+def each(alter: Callable[[SamplingParams], SamplingParams]
+         ) -> Callable[[list[SamplingParams]], list[SamplingParams]]:
+    """A per-request alteration applied to every request of the batch."""
+    return lambda batch: [alter(params) for params in batch]
+
+
 class _VerifyIgnoresTopP(_VerifyParamsAltered):
-    verify_params = staticmethod(drop_top_p)
+    verify_params = staticmethod(each(drop_top_p))
 
 
 class _VerifyIgnoresTemperature(_VerifyParamsAltered):
-    verify_params = staticmethod(drop_temperature)
+    verify_params = staticmethod(each(drop_temperature))
+
+
+class _VerifyRowsOneRequestOff(_VerifyParamsAltered):
+    verify_params = staticmethod(from_previous_row)
 
 
 class VerifyIgnoresTopP(Engine):
@@ -121,6 +143,17 @@ class VerifyTemperatureMisapplied(Engine):
     untempered law. Greedy output is untouched."""
 
     worker_class = _VerifyIgnoresTemperature
+
+
+class VerifyParamsFromPreviousRow(Engine):
+    """Sampling parameters expanded to the wrong verify rows: each sampled request verifies
+    with the temperature, top-k and top-p of the request before it in the batch.
+
+    The per-request to per-token expansion is one request off. Invisible in a batch whose
+    requests share one setting (the distribution tier's); greedy output, seeds and plain
+    decoding are untouched."""
+
+    worker_class = _VerifyRowsOneRequestOff
 
 
 # The verify-path parameter bugs, by mutant name: their exact output law follows from the

@@ -61,8 +61,8 @@ NAME = "vllm"
 
 # vLLM's CPU attention (CPU_ATTN) takes block sizes that are multiples of 32 only: a block
 # size of 16 fails at start-up with "No common block size for 16 (CPU_ATTN:
-# [MultipleOf(32)])" (measured). Unset page_size: 32, not vLLM's CPU default of 128, so the
-# small pools the suite asks for keep many blocks.
+# [MultipleOf(32)])" (measured), so the backend declares page_multiple=32. Unset page_size:
+# 32, not vLLM's CPU default of 128, so the small pools the suite asks for keep many blocks.
 CPU_BLOCK_MULTIPLE = 32
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_MAX_RUNNING = 64  # the bundled backends' default (docs/adapter.md)
@@ -78,9 +78,6 @@ UNCLAIMED_REASONS = {
     "in_flight": "async scheduling is off on CPU: every step is resolved before step() returns",
     "sessions": "vLLM keeps no per-conversation KV the adapter can address (prefix caching "
                 "is automatic and evictable, not a session)",
-    "memory_view": "handle.memory() maps vLLM's block pool faithfully, but vLLM's CPU attention "
-                   "takes block sizes that are multiples of 32 only, so the page sizes 1 and 4 "
-                   "the suite asks cannot be honoured (docs/backends/vllm.md, Memory view)",
     "forced_retract": "vLLM has no hook to preempt a chosen request every N steps",
     "chunked_prefill": "not yet verified against the lifecycle tier: vLLM's token budget "
                        "(max_num_batched_tokens) counts decode tokens too and must be at "
@@ -88,12 +85,6 @@ UNCLAIMED_REASONS = {
     "worker_hooks": "vLLM exposes no phase traces or forced verify outcomes",
     "graph_runner": "run with enforce_eager on CPU: no graph runner to probe",
     "kernels": "vLLM's CPU build has no tree kernels to hand the kernel tier",
-    "sampling": "vLLM's CPU stand-in for the rejection sampler's expand kernel garbles float32 "
-                "and int32 inputs, so speculative sampled steps use wrong temperature/top-k/"
-                "top-p (distribution tier fails under eagle, draft-model, ngram; plain passes)",
-    "seeded_sampling": "under speculation a seed does not fix the stream on vLLM's CPU build "
-                       "(the rejection sampler reads garbled sampling parameters); plain "
-                       "decoding passes the reproducibility tier",
 }
 
 _NGRAM_LOOKUP = ("vLLM's prompt lookup takes the earliest match, stops copying at the "
@@ -324,11 +315,15 @@ class VllmHandle:
 
 
 def _block_size(cfg: OpenConfig) -> int:
-    """``page_size`` where vLLM's CPU attention can take it (a multiple of 32), else the
-    default: the backend claims no ``memory_view``, so it may ignore the page size
-    (docs/adapter.md), and the lossless tier asks every backend for page size 1."""
-    if cfg.page_size is None or cfg.page_size % CPU_BLOCK_MULTIPLE:
+    """``page_size`` as vLLM's block size: the default when unset; a positive multiple of 32
+    (``page_multiple``, all the suite asks) as it is; anything else ``ValueError`` naming
+    ``page_size``, since vLLM's CPU attention cannot run it."""
+    if cfg.page_size is None:
         return DEFAULT_BLOCK_SIZE
+    if cfg.page_size < 1 or cfg.page_size % CPU_BLOCK_MULTIPLE:
+        raise ValueError(f"page_size: vLLM's CPU attention takes block sizes that are "
+                         f"multiples of {CPU_BLOCK_MULTIPLE} only, not {cfg.page_size} "
+                         f"(the backend declares page_multiple={CPU_BLOCK_MULTIPLE})")
     return cfg.page_size
 
 
@@ -426,7 +421,9 @@ class VllmBackend:
     def capabilities(self) -> Capabilities:
         return Capabilities(algorithms=frozenset({"none", "eagle", "draft_model", "ngram"}),
                             stepwise=True, abort=True, acceptance_stats=True,
-                            reference_draft=True)
+                            sampling=True, seeded_sampling=True,
+                            reference_draft=True, memory_view=True,
+                            page_multiple=CPU_BLOCK_MULTIPLE)
 
     def unclaimed_reasons(self) -> dict[str, str]:
         return dict(UNCLAIMED_REASONS)
