@@ -183,8 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "otherwise, compared with its own plain decoding; with a spec, "
                             "further backends decode plainly beside it)")
     bench.add_argument("--spec", default="none",
-                       help=f"{' | '.join(SPECS)}; eagle-v2 runs beside its V1 twins, mtp "
-                            "beside EAGLE at equal N")
+                       help=f"{' | '.join(SPECS)} | chains; eagle-v2 runs beside its V1 twins, "
+                            "mtp beside EAGLE at equal N; chains: plain, EAGLE, n-gram and "
+                            "draft-model chains on every backend claiming each, every (backend, "
+                            "lane) in a process of its own, outputs compared")
     bench.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=64,
                        help="tokens per request")
@@ -196,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None,
                        help="also write the figures to this file (its directory is created)")
     bench.add_argument("--draft-model", default=None,
-                       help="override the spec configurations' draft model")
+                       help="override the spec configurations' draft model (--spec chains: "
+                            "the EAGLE lanes' head, default tiny-code-eagle-vllm)")
     bench.add_argument("--graphs", nargs="?", const="auto", default="auto",
                        choices=GRAPH_CHOICES, metavar="EXECUTOR",
                        help="also run each lane of a backend claiming graph_runner through its "

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 from conformance.report.files import output_file, write_atomically
 from conformance.run.usage import UsageError, validate
 
+if TYPE_CHECKING:
+    from conformance.contract import Backend
+
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from conformance.bench.lanes import parse_batch_sizes
+    from conformance.bench.lanes import CHAINS, parse_backends, parse_batch_sizes
     from conformance.bench.measure import run_bench
     from conformance.bench.result import format_table
     from conformance.report.progress import Steps
@@ -20,9 +25,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     problem = device_problem(args.device, graphs)
     if problem:
         raise UsageError(problem)
-    backends = [b for b in (args.backends or ("refengine,hf" if args.spec == "none"
-                                               else "refengine")).split(",") if b]
-    loaded = validate(args.spec, backends, args.model, args.draft_model)
+    chains = args.spec == CHAINS
+    try:
+        backends = parse_backends(args.backends or ("refengine,hf" if args.spec == "none"
+                                                    else "refengine"))
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    # --spec chains: backends and model checked here, the draft models once the lanes are known
+    loaded = validate("none" if chains else args.spec, backends, args.model,
+                      None if chains else args.draft_model)
     if graphs and not any(b.capabilities().graph_runner for b in loaded):
         if args.graphs != "auto":  # asked for by name: say why it cannot be had
             raise UsageError(f"--graphs: none of {', '.join(backends)} claims graph_runner")
@@ -30,16 +41,49 @@ def cmd_bench(args: argparse.Namespace) -> int:
     json_path = output_file(args.json) if args.json else None
     try:
         batch_sizes = parse_batch_sizes(args.batch_sizes)
-        with Steps("bench", len(batch_sizes)) as steps:
-            result = run_bench(backends=backends, batch_sizes=batch_sizes,
-                               max_new_tokens=args.max_new_tokens, spec=args.spec,
-                               progress=steps, model=args.model, draft_model=args.draft_model,
-                               min_requests=args.min_requests, repeats=args.repeats,
-                               graphs=graphs, device=args.device)
+        if chains:
+            text, data = _bench_chains(args, backends, loaded, batch_sizes, graphs)
+        else:
+            with Steps("bench", len(batch_sizes)) as steps:
+                result = run_bench(backends=backends, batch_sizes=batch_sizes,
+                                   max_new_tokens=args.max_new_tokens, spec=args.spec,
+                                   progress=steps, model=args.model,
+                                   draft_model=args.draft_model,
+                                   min_requests=args.min_requests, repeats=args.repeats,
+                                   graphs=graphs, device=args.device)
+            text, data = format_table(result), asdict(result)
     except (ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
-    print(format_table(result))
+    print(text)
     if json_path is not None:
-        from dataclasses import asdict
-        write_atomically(json_path, json.dumps(asdict(result), indent=1) + "\n")
+        write_atomically(json_path, json.dumps(data, indent=1) + "\n")
     return 0
+
+
+def _bench_chains(args: argparse.Namespace, backends: list[str], loaded: list[Backend],
+                  batch_sizes: list[int], graphs: str | None) -> tuple[str, dict[str, Any]]:
+    """``--spec chains``: plan the lanes from what each backend claims, check their draft
+    models, run each in a process of its own (``isolated``); -> the table and the JSON data."""
+    from conformance.bench.compare import format_isolated, reference_backend
+    from conformance.bench.isolated import IsolatedBench, run_isolated
+    from conformance.bench.lanes import SHARED_EAGLE_HEAD, Workload, chain_lanes, with_graph_lanes
+    from conformance.report.progress import Steps
+    from refengine.data import resolve_model_dir
+    from refengine.model.loader import check_draft_dir
+
+    caps = {name: backend.capabilities() for name, backend in zip(backends, loaded, strict=True)}
+    eagle_head = args.draft_model or SHARED_EAGLE_HEAD
+    lanes = chain_lanes(backends, lambda b, algorithm: algorithm in caps[b].algorithms,
+                        eagle_head)
+    if graphs:
+        lanes = with_graph_lanes(lanes, graphs, lambda b: caps[b].graph_runner)
+    for draft in sorted({ln.spec.draft_model for ln in lanes
+                         if ln.spec is not None and ln.spec.needs_draft_model}):
+        check_draft_dir(resolve_model_dir(draft))
+    workload = Workload(args.model, tuple(batch_sizes), args.max_new_tokens,
+                        args.min_requests, args.repeats, args.device)
+    bench = IsolatedBench(args.model, args.max_new_tokens, args.min_requests, args.repeats,
+                          batch_sizes, backends, reference_backend(backends), eagle_head)
+    with Steps("bench", len(lanes)) as steps:
+        run_isolated(lanes, workload, bench, steps)
+    return format_isolated(bench), asdict(bench)

@@ -1,14 +1,27 @@
 """What a bench run compares: its lanes (a backend with one spec configuration, eager or
-through its graph runner), batch sizes and prompts."""
+through its graph runner), batch sizes and prompts (its ``Workload``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from conformance.contract import SpecConfig
 from conformance.run.prompts import load_prompt_set
 from conformance.run.specs import SPECS, config_id
+
+
+def parse_backends(text: str) -> list[str]:
+    """``"refengine,vllm"`` -> ``["refengine", "vllm"]``; ValueError naming the flag on an empty
+    list or a backend named twice."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise ValueError(f"--backends: expected comma-separated backend names, got {text!r}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"--backends: {', '.join(twice)} named twice in {text!r}")
+    return names
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -40,6 +53,40 @@ class Lane:
     spec: SpecConfig | None
     graphs: str | None = None  # the backend's graph executor (None: eager)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Lane:
+        """The inverse of ``dataclasses.asdict`` (how a lane reaches a bench worker)."""
+        spec = data["spec"]
+        return cls(data["label"], data["backend"], None if spec is None else SpecConfig(**spec),
+                   data["graphs"])
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every lane of a bench run decodes: greedy, ``max_new_tokens`` per request, each
+    batch size in ``ceil(min_requests / b)`` groups, each group ``repeats`` times."""
+
+    model: str
+    batch_sizes: tuple[int, ...]
+    max_new_tokens: int
+    min_requests: int = 1
+    repeats: int = 1
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        """ValueError naming the flag of a value no bench can run."""
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"--batch-sizes: expected integers >= 1, got {list(self.batch_sizes)}")
+        for flag, value in (("--max-new-tokens", self.max_new_tokens),
+                            ("--min-requests", self.min_requests), ("--repeats", self.repeats)):
+            if value < 1:
+                raise ValueError(f"{flag}: must be >= 1, got {value}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Workload:
+        """The inverse of ``dataclasses.asdict``."""
+        return cls(**{**data, "batch_sizes": tuple(data["batch_sizes"])})
+
 
 def with_graph_lanes(lanes: list[Lane], graphs: str, claims: Callable[[str], bool]
                      ) -> list[Lane]:
@@ -67,6 +114,30 @@ def lanes_for(spec: str, backends: list[str]) -> list[Lane]:
             lanes.append(Lane(config_id(twin), backends[0], twin))
         lanes.append(Lane(config_id(c), backends[0], c))
     return lanes + [Lane(b, b, None) for b in backends[1:]]
+
+
+CHAINS = "chains"  # the bench's own --spec: the lanes of ``chain_lanes``, each in its own process
+# ``--spec chains``: plain decoding and the chain configurations of these specs, the
+# algorithms another engine is most likely to run too.
+CHAIN_SPECS = ("eagle", "ngram", "draft-model")
+# The EAGLE head whose drafts vLLM computes exactly as the reference engine does (vLLM's
+# EAGLE-1 layout, which refengine also runs), so both engines' EAGLE lanes draft alike.
+SHARED_EAGLE_HEAD = "tiny-code-eagle-vllm"
+
+
+def chain_lanes(backends: list[str], claims: Callable[[str, str], bool],
+                eagle_head: str = SHARED_EAGLE_HEAD) -> list[Lane]:
+    """``--spec chains``: plain decoding, then each chain configuration of ``CHAIN_SPECS`` (the
+    EAGLE ones drafting with ``eagle_head``), each on every backend that ``claims(backend,
+    algorithm)``; a configuration's lanes follow one another, backend by backend, so a drifting
+    machine affects the backends compared alike."""
+    configs: list[SpecConfig | None] = [None]
+    for name in CHAIN_SPECS:
+        for c in SPECS[name].configs:
+            assert c is not None and c.topk == 1
+            configs.append(replace(c, draft_model=eagle_head) if c.algorithm == "eagle" else c)
+    return [Lane(config_id(c), b, c) for c in configs for b in backends
+            if claims(b, "none" if c is None else c.algorithm)]
 
 
 def twin_of(config: SpecConfig) -> SpecConfig | None:

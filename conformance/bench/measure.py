@@ -2,7 +2,8 @@
 
 Every backend is driven exactly as the suite drives it (submit, then step until every request
 has finished), in the same process and on the same prompts, so the numbers compare the engines
-rather than the harnesses.
+rather than the harnesses. (``--spec chains`` runs each lane alone in a process of its own
+instead, through ``run_lanes``: ``conformance.bench.isolated``.)
 
 ``--spec none`` compares backends on plain decoding. ``--spec eagle|eagle-tree`` compares the
 first backend's plain decoding with each configuration of that spec (and any further backend's
@@ -33,7 +34,7 @@ from typing import Protocol
 import torch
 
 from conformance.bench.device import DeviceMeter
-from conformance.bench.lanes import Lane, lanes_for, load_prompts, with_graph_lanes
+from conformance.bench.lanes import Lane, Workload, lanes_for, load_prompts, with_graph_lanes
 from conformance.bench.result import BackendTiming, BenchResult, BenchRow
 from conformance.checks.golden import summarize
 from conformance.contract import (
@@ -123,7 +124,8 @@ def _fastest(tries: list[GroupRun]) -> GroupRun:
 
 def _timing(runs: list[GroupRun], spec: SpecConfig | None) -> BackendTiming:
     """One lane's groups at one batch size, pooled: tokens, seconds and steps summed, tau over
-    every request, seconds per phase summed, the peak GPU memory of any group."""
+    every request, seconds per phase summed, the peak GPU memory of any group, the outputs in
+    prompt order."""
     tokens = sum(r.run.tokens for r in runs)
     seconds = sum(r.run.seconds for r in runs)
     accepts = [a for r in runs for a in r.run.accept_lens]
@@ -137,7 +139,8 @@ def _timing(runs: list[GroupRun], spec: SpecConfig | None) -> BackendTiming:
                          stats.get("mean_tau"), list(stats.get("per_position_acceptance", [])),
                          {k: round(v, 4) for k, v in phases.items()},
                          steps=sum(r.run.steps for r in runs),
-                         peak_gpu_bytes=max(peaks) if peaks else None)
+                         peak_gpu_bytes=max(peaks) if peaks else None,
+                         outputs=[out for r in runs for out in r.run.outputs])
 
 
 class BenchProgress(Protocol):
@@ -178,33 +181,36 @@ def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, 
                  else replace(ln, spec=replace(ln.spec, draft_model=draft_model)) for ln in lanes]
     if len(set(backends)) != len(backends):
         raise ValueError(f"--backends: duplicates in {backends}")
-    if not batch_sizes or any(b < 1 for b in batch_sizes):
-        raise ValueError(f"--batch-sizes: expected integers >= 1, got {batch_sizes}")
-    if max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens: must be >= 1, got {max_new_tokens}")
-    if min_requests < 1:
-        raise ValueError(f"--min-requests: must be >= 1, got {min_requests}")
-    if repeats < 1:
-        raise ValueError(f"--repeats: must be >= 1, got {repeats}")
+    workload = Workload(model, tuple(batch_sizes), max_new_tokens, min_requests, repeats, device)
     if loader is None:
         from conformance.run.registry import load_backend  # lazy: the CLI imports this module early
         loader = load_backend
     if graphs:
         load = loader
         lanes = with_graph_lanes(lanes, graphs, lambda b: load(b).capabilities().graph_runner)
+    return run_lanes(lanes, workload, progress, loader, spec=spec,
+                     yardsticks=[] if spec == "none" else backends[1:])
 
-    groups = {b: math.ceil(min_requests / b) for b in batch_sizes}
+
+def run_lanes(lanes: list[Lane], workload: Workload, progress: BenchProgress,
+              loader: Callable[[str], Backend], spec: str = "none",
+              yardsticks: list[str] | None = None) -> BenchResult:
+    """Open every lane in this process, then time them side by side on ``workload`` (what
+    ``run_bench`` does once it has planned and checked the lanes; a bench worker runs one
+    lane in a process of its own). Each lane's ``open`` wall time is kept as its start-up."""
+    model, batch_sizes, max_new_tokens = (workload.model, workload.batch_sizes,
+                                          workload.max_new_tokens)
+    groups = {b: math.ceil(workload.min_requests / b) for b in batch_sizes}
     prompts = load_prompts(model, max(b * g for b, g in groups.items()))
     biggest = max(batch_sizes)
     # Room for the longest prompts of the largest batch plus a speculative step's reserve each,
     # so a paged backend never retracts mid-bench.
     longest = sorted((len(p) for p in prompts), reverse=True)[:biggest]
     pool = sum(n + max_new_tokens + 64 for n in longest) + biggest
-    meter = DeviceMeter(device)
+    meter = DeviceMeter(workload.device)
     result = BenchResult(spec=spec, model=model, max_new_tokens=max_new_tokens,
                          threads=torch.get_num_threads(), backends=[ln.label for ln in lanes],
-                         versions={}, repeats=repeats,
-                         yardsticks=[] if spec == "none" else backends[1:],
+                         versions={}, repeats=workload.repeats, yardsticks=yardsticks or [],
                          device=meter.name())
     handles: dict[str, EngineHandle] = {}
     held: dict[str, int] = {}  # GPU memory each lane's open, warm-up and first uses kept
@@ -214,14 +220,16 @@ def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, 
             backend = loader(lane.backend)
             result.versions[lane.label] = f"{backend.name} {backend.version}"
             progress.note(f"opening {lane.label} ({result.versions[lane.label]}) on {model}")
+            start = time.perf_counter()
             handles[lane.label] = backend.open(OpenConfig(
-                model=model, spec=lane.spec, graph_executor=lane.graphs, device=device,
+                model=model, spec=lane.spec, graph_executor=lane.graphs, device=workload.device,
                 kv_pool_tokens=max(EngineConfig.kv_pool_tokens, pool),
                 max_running_requests=max(EngineConfig.max_running_requests, biggest)))
+            result.open_seconds[lane.label] = round(time.perf_counter() - start, 4)
             _run_batch(handles[lane.label], prompts[:1], _WARMUP_TOKENS, "warmup", meter)
             _keep_growth(held, lane.label, before, meter)
         for b in batch_sizes:
-            progress.start(f"batch {b} ({groups[b]} group(s) x {repeats} repeat(s))")
+            progress.start(f"batch {b} ({groups[b]} group(s) x {workload.repeats} repeat(s))")
             batches = [prompts[g * b:(g + 1) * b] for g in range(groups[b])]
             first_use: dict[str, float] = {}
             for lane in (ln for ln in lanes if ln.graphs):
@@ -231,8 +239,8 @@ def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, 
                 _keep_growth(held, lane.label, before, meter)
                 progress.note(f"{lane.label}: batch {b} warm-up (first use of its graph "
                               f"shapes) {first_use[lane.label]:.1f} s, untimed")
-            runs = _timed_groups(lanes, handles, batches, max_new_tokens, repeats, f"b{b}",
-                                 meter)
+            runs = _timed_groups(lanes, handles, batches, max_new_tokens, workload.repeats,
+                                 f"b{b}", meter)
             row = BenchRow(batch_size=b)
             for lane in lanes:
                 timing = _timing(runs[lane.label], lane.spec)

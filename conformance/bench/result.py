@@ -4,6 +4,7 @@ the table ``specgate bench`` prints from it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -25,6 +26,9 @@ class BackendTiming:
     held_gpu_bytes: int | None = None
     peak_gpu_bytes: int | None = None
     capture_seconds: float | None = None
+    # Each request's generated tokens, in prompt order (the groups' fastest runs), so runs in
+    # other processes can be compared token for token.
+    outputs: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -48,6 +52,15 @@ class BenchResult:
     # With a spec: the lanes of further backends, decoding plainly as yardsticks beside it.
     yardsticks: list[str] = field(default_factory=list)
     device: str = "cpu"                # where the backends ran: "cpu" or the CUDA device's name
+    open_seconds: dict[str, float] = field(default_factory=dict)  # lane label -> open() wall
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchResult:
+        """The inverse of ``dataclasses.asdict`` (how a bench worker's result comes back)."""
+        rows = [BenchRow(r["batch_size"], {label: BackendTiming(**t)
+                                           for label, t in r["results"].items()})
+                for r in data["rows"]]
+        return cls(**{**data, "rows": rows})
 
 
 # Up to this many lanes are columns of the tokens/s table, and up to this many ratios columns
@@ -72,20 +85,20 @@ def format_table(result: BenchResult) -> str:
                    *(f"{a}/{b}" for a, b in inline)]
         cells = [[str(row.batch_size),
                   *(f"{row.results[n].tokens_per_s:,.1f}" for n in result.backends),
-                  *(_ratio(row.results[a].tokens_per_s, row.results[b].tokens_per_s)
+                  *(ratio(row.results[a].tokens_per_s, row.results[b].tokens_per_s)
                     for a, b in inline)]
                  for row in result.rows]
-        lines.extend(_aligned(columns, cells))
+        lines.extend(aligned(columns, cells))
     else:  # one row per lane, one column per batch size
         inline = []
-        lines.extend(_aligned(["lane", *(f"batch {row.batch_size} tok/s" for row in result.rows)],
+        lines.extend(aligned(["lane", *(f"batch {row.batch_size} tok/s" for row in result.rows)],
                               [[name, *(f"{row.results[name].tokens_per_s:,.1f}"
                                         for row in result.rows)] for name in result.backends],
                               left_first=True))
     if pairs and not inline:  # one row per ratio, one column per batch size
         lines.append("")
-        lines.extend(_aligned(["ratio", *(f"batch {row.batch_size}" for row in result.rows)],
-                              [[f"{a}/{b}", *(_ratio(row.results[a].tokens_per_s,
+        lines.extend(aligned(["ratio", *(f"batch {row.batch_size}" for row in result.rows)],
+                              [[f"{a}/{b}", *(ratio(row.results[a].tokens_per_s,
                                                      row.results[b].tokens_per_s)
                                               for row in result.rows)] for a, b in pairs],
                               left_first=True))
@@ -94,15 +107,22 @@ def format_table(result: BenchResult) -> str:
                for label, t in row.results.items() if t.tau is not None or t.phase_seconds]
     if details:
         lines.append("")
-        lines.append("per lane: tau (tokens per verify, bonus included), per-position "
-                     "acceptance, seconds per phase")
-        for b, label, t in details:
-            phases = ", ".join(f"{k} {v:.2f}" for k, v in sorted(t.phase_seconds.items()) if v)
-            tau = "" if t.tau is None else (f"tau {t.tau:.2f}  acceptance "
-                                            f"{[round(a, 2) for a in t.per_position_acceptance]}  ")
-            lines.append(f"  batch {b:>3} {label}: {tau}{phases}")
+        lines.append(DETAILS_HEADING)
+        lines.extend(f"  batch {b:>3} {label}: {detail(t)}" for b, label, t in details)
     lines.extend(device_lines(result) or first_use_lines(result))
     return "\n".join(lines)
+
+
+DETAILS_HEADING = ("per lane: tau (tokens per verify, bonus included), per-position acceptance, "
+                   "seconds per phase")
+
+
+def detail(t: BackendTiming) -> str:
+    """A lane's tau, per-position acceptance and seconds per phase (those it has)."""
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in sorted(t.phase_seconds.items()) if v)
+    tau = "" if t.tau is None else (f"tau {t.tau:.2f}  acceptance "
+                                    f"{[round(a, 2) for a in t.per_position_acceptance]}  ")
+    return (tau + phases).rstrip()
 
 
 def first_use_lines(result: BenchResult) -> list[str]:
@@ -159,7 +179,7 @@ def device_lines(result: BenchResult) -> list[str]:
     return lines
 
 
-def _aligned(columns: list[str], cells: list[list[str]], left_first: bool = False) -> list[str]:
+def aligned(columns: list[str], cells: list[list[str]], left_first: bool = False) -> list[str]:
     """A header, a rule and the rows, columns right-aligned (the first left-aligned if asked)."""
     widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c)
               for i, c in enumerate(columns)]
@@ -211,11 +231,11 @@ def yardstick_lines(result: BenchResult) -> list[str]:
     for row in result.rows:
         best = max(own, key=lambda n: row.results[n].tokens_per_s)
         speed = row.results[best].tokens_per_s
-        over = ", ".join(f"{_ratio(speed, row.results[y].tokens_per_s)} {y}"
+        over = ", ".join(f"{ratio(speed, row.results[y].tokens_per_s)} {y}"
                          for y in result.yardsticks)
         lines.append(f"batch {row.batch_size}: fastest lane {best} ({speed:,.1f} tok/s) = {over}")
     return lines
 
 
-def _ratio(a: float, b: float) -> str:
+def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 0 else "n/a"
