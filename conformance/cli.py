@@ -23,7 +23,6 @@ from conformance.report.coverage import CLASS_NAMES
 from conformance.report.durations import cmd_durations
 from conformance.report.merge import cmd_merge
 from conformance.repro.command import cmd_repro
-from conformance.run.cache_command import cmd_cache
 from conformance.run.certify import cmd_certify
 from conformance.run.device import DEVICE_HELP, device_arg
 from conformance.run.interrupt_redelivery import keep_interrupts
@@ -68,6 +67,14 @@ def _shard(text: str) -> str:
         return str(parse_shard(text))
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _cmd_cache(args: argparse.Namespace) -> int:
+    """``specgate cache``, imported when run: it imports torch, which ``specgate report merge``
+    must not need (a CI merge job installs specgate without torch: docs/ci.md)."""
+    from conformance.run.cache_command import cmd_cache
+
+    return cmd_cache(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "budget ($SPECGATE_CACHE_MAX_GB), leftovers of killed builds and "
                        "loading markers; prune: delete what this code and torch can never "
                        "load; clear: delete everything")
-    cache.set_defaults(func=cmd_cache)
+    cache.set_defaults(func=_cmd_cache)
     return parser
 
 

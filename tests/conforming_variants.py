@@ -16,9 +16,16 @@ Named on the command line as ``--backend tests.conforming_variants:<factory>``:
   request only when the KV pool can hold its whole run (prompt plus ``max_new_tokens`` and a
   decode step's reservation) beside what the running requests may still grow to, so it never
   retracts; it does not claim ``forced_retract``;
+* ``queueing_lists_waiting``: ``queueing``, with its waiting requests listed in the memory view
+  with zero KV rather than left out (the contract allows either);
 * ``fixed_pages``: pool pages must be a multiple of ``FIXED_PAGE`` tokens (as vLLM's CPU
   attention takes multiples of 32 only): declares ``page_multiple`` and refuses any other
-  page size (``Capabilities.page_multiple``, docs/adapter.md).
+  page size (``Capabilities.page_multiple``, docs/adapter.md);
+* ``no_abort``: stepwise, but a submitted request runs to its finish: does not claim ``abort``
+  (``handle.abort`` raises).
+
+The reference engine computing in bfloat16 and declaring it is ``tests.test_near_ties:
+bfloat16_honest``.
 """
 
 from __future__ import annotations
@@ -27,7 +34,15 @@ from collections import deque
 from dataclasses import replace
 
 from conformance.backends.refengine import RefEngineBackend, RefEngineHandle
-from conformance.contract import Capabilities, Event, FinishEvent, MemoryView, OpenConfig, Request
+from conformance.contract import (
+    Capabilities,
+    Event,
+    FinishEvent,
+    MemoryView,
+    OpenConfig,
+    ReqKV,
+    Request,
+)
 from refengine import Engine
 from refengine.request import Req
 from refengine.scheduler import ScheduledBatch, Scheduler
@@ -159,6 +174,23 @@ class QueueingBackend(RefEngineBackend):
                                   "run fits"}
 
 
+class ListsWaitingHandle(RefEngineHandle):
+    """The memory view lists every waiting request that holds no KV, with zero KV."""
+
+    def memory(self) -> MemoryView:
+        view = self.engine.memory()
+        queued = {r.rid: ReqKV(0, 0, "prefill") for r in self.engine.scheduler.waiting
+                  if r.rid not in view.requests}
+        return replace(view, requests={**view.requests, **queued})
+
+
+class QueueingListsWaitingBackend(QueueingBackend):
+    name = "variant:queueing_lists_waiting"
+
+    def open(self, cfg: OpenConfig) -> ListsWaitingHandle:
+        return ListsWaitingHandle(super().open(cfg).engine)
+
+
 FIXED_PAGE = 32
 
 
@@ -191,8 +223,34 @@ def queueing() -> QueueingBackend:
     return QueueingBackend()
 
 
+def queueing_lists_waiting() -> QueueingListsWaitingBackend:
+    return QueueingListsWaitingBackend()
+
+
 def fixed_pages() -> FixedPagesBackend:
     return FixedPagesBackend()
+
+
+class NoAbortHandle(RefEngineHandle):
+    def abort(self, rid: str) -> None:
+        raise NotImplementedError("a submitted request runs to its finish")
+
+
+class NoAbortBackend(RefEngineBackend):
+    name = "variant:no_abort"
+
+    def capabilities(self) -> Capabilities:
+        return replace(super().capabilities(), abort=False)
+
+    def unclaimed_reasons(self) -> dict[str, str]:
+        return {"abort": "a submitted request runs to its finish"}
+
+    def open(self, cfg: OpenConfig) -> NoAbortHandle:
+        return NoAbortHandle(super().open(cfg).engine)
+
+
+def no_abort() -> NoAbortBackend:
+    return NoAbortBackend()
 
 
 class ClaimsChunkedPrefillWithout(WholePrefillBackend):

@@ -14,6 +14,7 @@ from conformance.backends.refengine.adapter import RefEngineHandle
 from conformance.contract import Capabilities, OpenConfig
 from conformance.report.certificate import build_certificate, render_markdown
 from conformance.report.report_dir import ReportDir, ReportDirError
+from conformance.repro.record import TIMED_OUT
 from conformance.run.certify import claimed_specs
 from conformance.run.only import parse_only
 from conformance.run.specs import SPECS
@@ -225,11 +226,16 @@ def test_a_repro_that_does_not_reproduce_offers_no_command(tmp_path: Path) -> No
     assert f"repro file `{tmp_path}/repro/two.json`: its scenario replays clean" in md
 
 
-def test_a_timed_out_check_offers_the_command_unreplayed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("why", [
+    TIMED_OUT, "backend 'b' does not claim abort, which the scenario needs"])
+def test_an_unreplayed_repro_says_why_not(tmp_path: Path, why: str) -> None:
+    """The check timed out, or the backend refuses the replay: reproduction is unknown; the
+    certificate says why and never that the scenario replays clean."""
     res = results("none", [("test_a.py::two", "failed", 1.0)])
-    res["checks"][0]["repro_reproduces"] = None  # type: ignore[index]
+    res["checks"][0].update(repro_reproduces=None, repro_not_replayed=why)  # type: ignore[index]
     md = render_markdown(build_certificate(res), tmp_path)
-    assert "specgate repro" in md and "not replayed at the time: the check timed out" in md
+    assert "specgate repro" in md and f"(not replayed: {why})" in md, md
+    assert "replays clean" not in md
 
 
 def test_a_report_dir_may_hold_repro_files(tmp_path: Path) -> None:

@@ -17,7 +17,8 @@ import pytest
 from conformance.run.specs import SPECS
 from conformance.run.suite import SuiteOptions, run_suite
 
-VARIANTS = ("whole_prefill", "no_memory_view", "run_to_completion", "queueing", "fixed_pages")
+VARIANTS = ("whole_prefill", "no_memory_view", "run_to_completion", "queueing",
+            "queueing_lists_waiting", "fixed_pages", "no_abort")
 PRECONDITION_TIERS = "test_lifecycle or test_memory or test_sessions"
 
 
@@ -59,3 +60,11 @@ def test_whole_prefill_is_not_failed_for_streaming_its_first_token(tmp_path: Pat
         check: "not claimed"}
     assert certify(tmp_path / "b", "claims_chunked_prefill_without", "none",
                    only=(check,)) == {check: "failed"}
+
+
+def test_no_abort_is_not_asked_to_abort_by_the_worker_tier(tmp_path: Path) -> None:
+    """Emptying the draft state by aborting every request needs abort: gated on it, so the
+    variant that cannot abort is not asked (the refused call failed it, and its scenario's
+    refused replay was reported as replaying clean)."""
+    check = "test_worker.py::test_filter_to_zero_rows_then_new_arrivals"
+    assert certify(tmp_path, "no_abort", "eagle", only=(check,)) == {check: "not claimed"}

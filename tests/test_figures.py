@@ -1,6 +1,7 @@
 """report.md's Figures section: a table per tier ("—" where a check did not record a figure),
 a wide tier split per test function and a wide function turned on its side, compact long lists,
-and the figures shown in a section of their own left out."""
+and the figures shown in a section of their own, or recorded by a check that did not run, left
+out."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import re
 from conformance.report.figures import MAX_CELL, MAX_COLUMNS, cell, figures_lines
 
 
-def check(nodeid: str, tier: str, **figures: object) -> dict[str, object]:
-    return {"nodeid": nodeid, "tier": tier, "figures": figures}
+def check(nodeid: str, tier: str, outcome: str = "passed", **figures: object
+          ) -> dict[str, object]:
+    return {"nodeid": nodeid, "tier": tier, "outcome": outcome, "figures": figures}
 
 
 def test_one_table_per_tier_a_column_per_figure_and_a_dash_where_missing() -> None:
@@ -43,6 +45,20 @@ def test_one_table_per_tier_a_column_per_figure_and_a_dash_where_missing() -> No
 def test_no_figures_no_section() -> None:
     assert figures_lines([check("t.py::a", "lossless"),
                           check("t.py::b", "golden", accept_hist={"1": 2})]) == []
+
+
+def test_only_checks_that_ran_have_figures() -> None:
+    """The kernel tier records the implementation before it finds the kernels cannot run
+    here: a skipped check's figure is not shown as if it had been measured."""
+    lines = figures_lines([
+        check("test_kernel.py::test_a", "kernel", "skipped", kernels="triton"),
+        check("test_kernel.py::test_b", "kernel", "not claimed", kernels="triton"),
+        check("test_kernel.py::test_c", "kernel", "failed", kernels="torch"),
+        check("test_kernel.py::test_d", "kernel", "known failure", kernels="torch")])
+    assert [line for line in lines if line.startswith("| `")] == [
+        "| `test_kernel.py::test_c` | torch |", "| `test_kernel.py::test_d` | torch |"]
+    assert figures_lines([check("test_kernel.py::test_a", "kernel", "skipped",
+                                kernels="triton")]) == []
 
 
 def test_a_wide_tier_gets_a_table_per_function_and_a_wide_function_lies_on_its_side() -> None:

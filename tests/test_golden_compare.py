@@ -60,3 +60,45 @@ def test_output_mismatch_before_the_fragile_position_is_named() -> None:
     assert golden.compare(t, {"r": wrong}, {"r": list(LENS)}, 3) == [
         f"r: output differs from golden at index 5 (before its first fragile position "
         f"{len(wrong)})"]
+
+
+def retracted_trace(retractions: int) -> golden.GoldenTrace:
+    """``LENS`` with ``retractions`` re-prefills among its steps (a token each)."""
+    t = trace(LENS)
+    output = list(range(1, 2 + sum(LENS) + retractions))
+    t.requests[0] = golden.GoldenRequest("r", [7, 8], output, list(LENS), None,
+                                         retractions=retractions)
+    t.retract_every = 2
+    return t
+
+
+def test_each_retraction_takes_a_token_off_the_steps_compared_exactly() -> None:
+    """A re-prefill's token belongs to no verify step and where it fell is not recorded: the
+    steps compared exactly stop as many tokens short (here: before the fragile position)."""
+    t = retracted_trace(2)
+    req = t.requests[0]
+    req.fragile_from = 9  # steps 0..2 end at output index 9 without retractions
+    assert golden.comparable_steps(LENS, 9) == 3
+    assert req.exact_steps(len(req.output_ids)) == golden.comparable_steps(LENS, 7) == 2
+    changed = [*LENS[:2], LENS[2] - 1, LENS[3] + 1, *LENS[4:]]  # from step 2 on
+    assert golden.compare(t, {"r": req.output_ids}, {"r": changed}, 3, {"r": 2}) == []
+    req.retractions = 0
+    assert "verify step 2 accepted 2 tokens, golden 3" in golden.compare(
+        t, {"r": req.output_ids}, {"r": changed}, 3, {"r": 0})[0]
+
+
+def test_a_run_that_retracts_other_requests_than_the_trace_fails() -> None:
+    t = retracted_trace(2)
+    output = t.requests[0].output_ids
+    assert golden.compare(t, {"r": output}, {"r": list(LENS)}, 3, {"r": 2}) == []
+    assert golden.compare(t, {"r": output}, {"r": list(LENS)}, 3, {}) == [
+        "r: retracted 0 times, golden 2 (retract_every 2)"]
+    # a run cut short cannot be held to the trace's retractions
+    assert golden.compare(t, {"r": output[:10]}, {"r": LENS[:2]}, 3, {}) == []
+
+
+def test_expected_acceptance_is_the_steps_compared_exactly() -> None:
+    t = trace(LENS, fragile_from=12)
+    assert golden.expected_acceptance(t, 64) == {"r": LENS[:3]}
+    assert golden.expected_acceptance(t, 6) == {"r": LENS[:2]}  # steps ending by index 6
+    assert golden.expected_acceptance(trace(LENS, fragile_from=2), 64) == {}

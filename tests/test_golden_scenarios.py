@@ -1,6 +1,6 @@
 """The golden traces of a prompt set (``conformance/checks/golden_scenarios.py``): which
-requests each holds, the order they run in, and what the committed chunked and session traces
-must contain for the golden tier to check what they are for."""
+requests each holds, the order they run in, and what the committed chunked, session and
+retraction traces must contain for the golden tier to check what they are for."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ from conformance.checks.golden_scenarios import (
     CHUNK_TOKENS,
     CHUNKED,
     CHUNKED_PROMPTS,
+    RETRACT_EVERY,
+    RETRACT_PROMPTS,
+    RETRACTED,
     SCENARIO_TOKENS,
     SESSION_TURNS,
     SESSIONS,
@@ -49,13 +52,26 @@ def test_session_plan_is_two_turns_per_session() -> None:
     assert all(0 < len(p.prompt_ids) <= TURN_PROMPT_TOKENS for p in second)
 
 
-def test_a_trace_without_sessions_or_a_prefill_budget_keeps_its_file_format() -> None:
+def test_retraction_plan_is_the_first_prompts_in_one_batch() -> None:
+    cases = load_prompt_set("default")
+    planned = RETRACTED.plan(cases)
+    assert [p.id for p in planned] == [c.id for c in cases[:RETRACT_PROMPTS]]
+    assert waves(planned) == [planned] and RETRACTED.retract_every == RETRACT_EVERY
+
+
+def test_a_trace_without_sessions_a_prefill_budget_or_retraction_keeps_its_file_format(
+        ) -> None:
     request = golden.GoldenRequest("r", [7, 8], [1, 2], [1], None)
     trace = golden.GoldenTrace(golden.SCHEMA_VERSION, {}, {}, {}, "set", [request], {})
-    assert "session_id" not in trace.to_json() and "max_prefill_tokens" not in trace.to_json()
+    assert not any(field in trace.to_json() for field in golden.UNSET_OMITTED)
     turn = golden.GoldenRequest("s0-t1", [9], [1, 2], [1], 0, "s0")
     chunked = golden.GoldenTrace(golden.SCHEMA_VERSION, {}, {}, {}, "set", [turn], {}, 64)
     assert golden.GoldenTrace.from_json(chunked.to_json()) == chunked
+    retracted = golden.GoldenRequest("r", [7], [1, 2, 3], [1], None, retractions=0)
+    under_hook = golden.GoldenTrace(golden.SCHEMA_VERSION, {}, {}, {}, "set", [retracted], {},
+                                    retract_every=2)
+    assert '"retractions": 0' in under_hook.to_json()
+    assert golden.GoldenTrace.from_json(under_hook.to_json()) == under_hook
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
@@ -77,3 +93,18 @@ def test_committed_session_trace_has_comparable_second_turns(config) -> None:  #
     compared = [r for r in second if golden.comparable_steps(
         r.accept_lens, len(r.output_ids) if r.fragile_from is None else r.fragile_from)]
     assert len(compared) >= SESSIONS - 1, [(r.id, r.fragile_from) for r in second]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_committed_retraction_trace_compares_retracted_requests(config) -> None:  # type: ignore[no-untyped-def]
+    """The hook retracted some requests, and most of their verify steps are compared exactly
+    (each retraction takes a token off the end): else the trace could not tell a drafter
+    that loses the re-prefilled context."""
+    trace = golden.load(config, RETRACTED.trace_name("default"))
+    assert trace.retract_every == RETRACT_EVERY and trace.max_prefill_tokens is None
+    assert trace.sampling["max_new_tokens"] == SCENARIO_TOKENS
+    retracted = [r for r in trace.requests if r.retractions]
+    assert len(retracted) >= 2, [(r.id, r.retractions) for r in trace.requests]
+    exact = sum(r.exact_steps(len(r.output_ids)) for r in retracted)
+    assert exact >= sum(len(r.accept_lens) for r in retracted) // 2, [
+        (r.id, r.fragile_from, r.retractions) for r in retracted]

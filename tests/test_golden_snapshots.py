@@ -44,3 +44,8 @@ def test_chunked_trace_reproduces(config, snapshot) -> None:  # type: ignore[no-
 @pytest.mark.parametrize("config", CONFIG_PARAMS)
 def test_session_trace_reproduces(config, snapshot) -> None:  # type: ignore[no-untyped-def]
     _scenario_reproduces(config, snapshot, "sessions")
+
+
+@pytest.mark.parametrize("config", CONFIG_PARAMS)
+def test_retraction_trace_reproduces(config, snapshot) -> None:  # type: ignore[no-untyped-def]
+    _scenario_reproduces(config, snapshot, "retract")

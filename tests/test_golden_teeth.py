@@ -2,16 +2,26 @@
 mean-tau tolerance alone lets them through (bug-zoo mutants ``draft_position_shift``,
 ``tree_wrong_parent``, ``extend_padding_not_restaged``), and drafters that miss part of what
 the target saw, which only the chunked and session traces show (``draft_skips_non_final_chunks``,
-``session_drops_draft_kv``: the plain trace passes them), and n-gram contexts missing tokens
+``session_drops_draft_kv``: the plain trace passes them), a drafter that does not go on from a
+re-prefilled context, which only the retraction trace shows
+(``draft_after_retract_from_prompt_feature``), and n-gram contexts missing tokens
 (``ngram_context_skips_bonus``, ``ngram_context_from_last_chunk``)."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 
 from conformance.backends.mutants import MUTANTS
 from conformance.checks import golden
-from conformance.checks.golden_scenarios import CHUNKED, PLAIN, SESSION_TURNS, Scenario
+from conformance.checks.golden_scenarios import (
+    CHUNKED,
+    PLAIN,
+    RETRACTED,
+    SESSION_TURNS,
+    Scenario,
+)
 from conformance.run.specs import SPECS
 from refengine import EngineConfig, SamplingParams
 
@@ -32,14 +42,17 @@ def golden_problems(mutant_name: str, scenario: Scenario = PLAIN) -> list[str]:
                                               kv_pool_tokens=65536, max_running_requests=64,
                                               cuda_graph=mutant.graphs is not None,
                                               graph_executor=mutant.graphs or "compiled",
+                                              retract_every=trace.retract_every or 0,
                                               **budget))
+    retracted: Counter[str] = Counter()
     done = golden.run_waves(engine, trace.requests,
                             SamplingParams(max_new_tokens=tokens, temperature=0.0,
-                                           ignore_eos=True))
+                                           ignore_eos=True), retracted)
     outputs = {r.id: list(done[r.id].output_ids) for r in trace.requests}
     assert all(outputs[r.id] == r.output_ids[:tokens] for r in trace.requests), "lossless"
     return golden.compare(trace, outputs, {r.id: list(done[r.id].accept_lens)
-                                           for r in trace.requests}, config.num_steps)
+                                           for r in trace.requests}, config.num_steps,
+                          retracted)
 
 
 def test_one_position_draft_shift_is_caught_although_mean_tau_is_within_tolerance() -> None:
@@ -92,9 +105,25 @@ def test_an_ngram_context_from_the_last_chunk_is_caught_by_the_chunked_and_sessi
     assert all("-t1-" in p for p in sessions if "verify step" in p), sessions
 
 
+def test_a_draft_from_the_prompt_feature_after_retraction_is_caught_by_the_retraction_trace(
+        ) -> None:
+    """After each retraction the head drafts from the prompt's last feature, not the
+    re-prefilled context's: only retracted requests (the trace's ``retractions``) accept
+    differently, and the hook then retracts others than the trace's."""
+    problems = golden_problems("draft_after_retract_from_prompt_feature", RETRACTED)
+    retracted = {r.id for r in golden.load(SPECS["eagle"].configs[0],  # type: ignore[arg-type]
+                                           RETRACTED.trace_name("default")).requests
+                 if r.retractions}
+    steps = [p for p in problems if "verify step" in p]
+    assert steps, problems
+    assert all(p.split(":")[0] in retracted for p in steps), (retracted, problems)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mutant", ["draft_skips_non_final_chunks", "session_drops_draft_kv"])
+@pytest.mark.parametrize("mutant", ["draft_skips_non_final_chunks", "session_drops_draft_kv",
+                                    "draft_after_retract_from_prompt_feature"])
 def test_the_plain_trace_lets_the_chunk_and_session_drafters_through(mutant: str) -> None:
-    """Why the chunked and session traces exist: the plain trace's prompts never leave a
-    prefill step without a completed prompt, and open no session."""
+    """Why the chunked, session and retraction traces exist: the plain trace's prompts never
+    leave a prefill step without a completed prompt, open no session and are never
+    retracted."""
     assert golden_problems(mutant) == []

@@ -1,12 +1,15 @@
 """The reference engine's graph probe (``conformance/backends/refengine/graph_probe.py``) and
 the graph tier's mutant: the probe speaks the protocol, its runs are deterministic and
 self-contained, it uses the engine's own graph runner, and the tier's padding check kills
-``stale_padded_rows`` while graph == eager cannot see it."""
+``stale_padded_rows`` while graph == eager cannot see it. Probes that misreport (wrappers of the
+reference probe, ``Misreporting``) make no check pass vacuously: a max batch with no padded
+row, a max context below every key width, an infinite tolerance, empty outputs."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,13 +21,27 @@ from conformance.backends.refengine.graph_kinds import KINDS
 from conformance.backends.refengine.graph_kinds import PADDED_FIELDS as REF_PADDED_FIELDS
 from conformance.backends.refengine.graph_probe import RefGraphProbe
 from conformance.checks.graph import (
+    TOLERANCE_CAP,
+    NotApplicable,
+    Recorder,
     check_graph_matches_eager,
+    check_key_width_boundaries,
+    check_no_history_dependence,
     check_padding_policy,
+    check_poisoned_padding,
+    check_probe_bounds,
     compare_outputs,
 )
 from conformance.cli import main
 from conformance.contract import GraphProbe, KeyWidthProbe, OpenConfig
-from conformance.contract.graph_probe import PADDED_FIELDS, STATE_DIGESTS, GraphCase
+from conformance.contract.graph_probe import (
+    PADDED_FIELDS,
+    STATE_DIGESTS,
+    GraphCase,
+    GraphRun,
+    Mode,
+)
+from conformance.run.suite import SuiteOptions, run_suite
 from refengine.config import SamplingParams
 from refengine.graph import GraphRunner
 
@@ -174,3 +191,148 @@ def test_graph_tier_passes_under_the_compiled_executor(
     outcomes = {c["nodeid"].split("::")[-1]: c["outcome"] for c in checks}
     assert outcomes.pop("test_kinds_without_kv_writes_leave_the_pool_untouched") == "skipped"
     assert set(outcomes.values()) == {"passed"} and len(outcomes) == 6, checks
+
+
+# --- probes that misreport -------------------------------------------------------------------
+
+class Misreporting:
+    """The reference probe with some of its reports replaced (``lies``: method name -> the
+    value it returns); ``empty_outputs``: every run reports no outputs."""
+
+    def __init__(self, inner: RefGraphProbe, empty_outputs: bool = False,
+                 **lies: object) -> None:
+        self.inner = inner
+        self.lies = lies
+        self.empty_outputs = empty_outputs
+
+    def __getattr__(self, name: str) -> object:
+        if name in self.lies:
+            return lambda *args: self.lies[name]
+        return getattr(self.inner, name)
+
+    def run(self, case: GraphCase, mode: Mode, poison: bool = False) -> GraphRun:
+        run = self.inner.run(case, mode, poison)
+        return replace(run, outputs={}) if self.empty_outputs else run
+
+
+def test_misreporting_wrappers_are_probes(open_handle: type[RefEngineHandle]) -> None:
+    probe = Misreporting(open_handle().graph_probe(), max_batch=1)  # type: ignore[call-arg]
+    assert isinstance(probe, GraphProbe) and isinstance(probe, KeyWidthProbe)
+    assert probe.max_batch() == 1 and probe.buckets() == (1, 2, 4, 8, 10)
+
+
+def test_the_reference_probe_is_within_bounds(open_handle: type[RefEngineHandle]) -> None:
+    probe = open_handle().graph_probe()  # type: ignore[call-arg]
+    check_probe_bounds(probe, LIMITS["max_running_requests"])
+    assert probe.float_tolerance() * 10 <= TOLERANCE_CAP["float32"]
+
+
+@pytest.mark.parametrize("max_batch", [0, LIMITS["max_running_requests"] + 1])
+def test_a_max_batch_outside_the_engines_requests_is_refused(
+        open_handle: type[RefEngineHandle], max_batch: int) -> None:
+    probe = Misreporting(open_handle().graph_probe(), max_batch=max_batch)  # type: ignore
+    with pytest.raises(AssertionError, match=rf"max_batch\(\) {max_batch}: must be 1 to 10"):
+        check_probe_bounds(probe, LIMITS["max_running_requests"])  # type: ignore[arg-type]
+
+
+def test_a_max_batch_with_no_padded_row_makes_the_padding_checks_not_applicable(
+        open_handle: type[RefEngineHandle]) -> None:
+    """Max batch 1 on buckets from 1: no raw size runs padded. The padding checks would
+    check nothing: not applicable (never passed); graph == eager still runs its one size."""
+    probe = Misreporting(open_handle().graph_probe(), max_batch=1)  # type: ignore[call-arg]
+    for check in (check_padding_policy, check_poisoned_padding):
+        with pytest.raises(NotApplicable, match=r"no raw size 1\.\.1 runs padded"):
+            check(probe, "decode")  # type: ignore[arg-type]
+    assert check_graph_matches_eager(probe, "decode").pointers  # type: ignore[arg-type]
+
+
+def test_a_max_context_below_every_key_width_is_not_applicable(
+        open_handle: type[RefEngineHandle]) -> None:
+    probe = Misreporting(open_handle().graph_probe(), max_context=100)  # type: ignore
+    with pytest.raises(NotApplicable, match=r"kind=decode: no key length in reach .*"
+                                            r"max_context 100"):
+        check_key_width_boundaries(probe, "decode", 3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tolerance", [float("inf"), float("nan"), -1.0,
+                                       2 * TOLERANCE_CAP["float32"]])
+def test_a_tolerance_that_is_not_finite_or_past_the_cap_is_refused(
+        open_handle: type[RefEngineHandle], tolerance: float) -> None:
+    probe = Misreporting(open_handle().graph_probe(),  # type: ignore[call-arg]
+                         float_tolerance=tolerance)
+    with pytest.raises(AssertionError, match=r"float_tolerance\(\) .*: must be finite, from "
+                                             r"0 to 0\.001 \(the cap for a float32"):
+        check_graph_matches_eager(probe, "decode")  # type: ignore[arg-type]
+    with pytest.raises(AssertionError, match="float_tolerance"):
+        check_key_width_boundaries(probe, "decode", 3)  # type: ignore[arg-type]
+
+
+def test_the_cap_follows_the_declared_precision(open_handle: type[RefEngineHandle]) -> None:
+    probe = Misreporting(open_handle().graph_probe(),  # type: ignore[call-arg]
+                         float_tolerance=TOLERANCE_CAP["bfloat16"])
+    check_graph_matches_eager(probe, "decode", precision="bfloat16")  # type: ignore[arg-type]
+    with pytest.raises(AssertionError, match="the cap for a float32 backend"):
+        check_graph_matches_eager(probe, "decode")  # type: ignore[arg-type]
+
+
+def test_empty_outputs_are_refused(open_handle: type[RefEngineHandle]) -> None:
+    """Empty outputs would compare equal to each other: a run that reports none (or an empty
+    tensor) is refused, whichever check runs it."""
+    probe = Misreporting(open_handle().graph_probe(), empty_outputs=True)  # type: ignore
+    for check in (check_graph_matches_eager, check_padding_policy, check_no_history_dependence):
+        with pytest.raises(AssertionError, match=r"reported no outputs for \d+ real rows"):
+            check(probe, "decode")  # type: ignore[arg-type]
+    real = open_handle().graph_probe()  # type: ignore[call-arg]
+    run = real.run(GraphCase("decode", 2), "eager")
+    hollow = Misreporting(real)
+    hollow.run = lambda case, mode, poison=False: replace(  # type: ignore[method-assign]
+        run, outputs={**run.outputs, "logits": run.outputs["logits"][:0]})
+    with pytest.raises(AssertionError, match=r"reported empty \['logits'\]"):
+        Recorder(hollow).run("decode", 2, "eager")  # type: ignore[arg-type]
+
+
+class MisreportingBackend(RefEngineBackend):
+    """The reference engine whose graph probe reports max batch 1, a max context below every
+    key width and an infinite float tolerance."""
+
+    name = "misreporting-graph-probe"
+
+    def open(self, cfg: OpenConfig) -> RefEngineHandle:
+        handle = super().open(cfg)
+        probe = Misreporting(handle.graph_probe(), max_batch=1, max_context=100,
+                             float_tolerance=float("inf"))
+        handle.graph_probe = lambda: probe  # type: ignore[method-assign]
+        return handle
+
+
+def misreporting_backend() -> MisreportingBackend:
+    return MisreportingBackend()
+
+
+def test_the_tier_never_passes_a_check_that_ran_nothing(tmp_path: Path,
+                                                        random_model_dir: Path) -> None:
+    """Through the suite: what the lies would have emptied is not applicable, with why; the
+    infinite tolerance fails graph == eager; what still runs something passes."""
+    run = run_suite(SuiteOptions("tests.test_graph_probe:misreporting_backend", "none", "gate",
+                                 str(random_model_dir), keyword="test_graph"),
+                    tmp_path / "results.json")
+    assert run.results is not None, run.problems
+    rows = {str(c["nodeid"]).split("::")[-1]: c
+            for c in run.results["checks"]  # type: ignore[union-attr]
+            if str(c["nodeid"]).startswith("test_graph.py")}
+    outcomes = {name: row["outcome"] for name, row in rows.items()}
+    assert outcomes == {
+        "test_padded_rows_follow_the_policy": "skipped",
+        "test_graph_matches_eager_at_every_size": "failed",
+        "test_poisoned_padding_changes_nothing": "skipped",
+        "test_no_history_dependence": "passed",
+        "test_static_buffers_stay_put_and_outputs_are_fresh": "passed",
+        "test_kinds_without_kv_writes_leave_the_pool_untouched": "skipped",
+        "test_graph_matches_eager_either_side_of_every_key_width": "skipped"}, rows
+    skipped = [row["message"] for row in rows.values() if row["outcome"] == "skipped"]
+    assert all(m.startswith("Skipped: not applicable: ") for m in skipped), skipped
+    assert "no raw size 1..1 runs padded" in rows["test_padded_rows_follow_the_policy"][
+        "message"]
+    assert "max_context 100" in rows[
+        "test_graph_matches_eager_either_side_of_every_key_width"]["message"]
+    assert "float_tolerance() inf" in rows["test_graph_matches_eager_at_every_size"]["message"]

@@ -144,7 +144,7 @@ def test_mutants_reports_nothing_for_the_interrupted_mutant(random_model_dir: Pa
 
 
 @pytest.mark.parametrize("argv, ready", [
-    (["golden", "check", "--spec", "eagle"], "[1/6] chain-s3-n4"),  # 2 configs x 3 traces
+    (["golden", "check", "--spec", "eagle"], "[1/8] chain-s3-n4"),  # 2 configs x 4 traces
     (["bench", "--backends", "refengine", "--batch-sizes", "1", "--max-new-tokens", "48",
       "--min-requests", "64", "--graphs", "none"], "[1/1] batch 1"),
 ], ids=["golden", "bench"])

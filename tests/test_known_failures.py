@@ -1,7 +1,8 @@
 """``--known-failures FILE``: listed failures are known (not passed, not failing the gate), a
 listed check that passes is stale (failing the gate under ``--strict-known``), an expired entry
-excuses nothing, an id that matches no check is warned about; the certificate lists them all;
-a bad file is one line, exit 2, nothing written."""
+excuses nothing, an id that matches no check is warned about; the certificate lists them all,
+each known failure with its message and replay commands; a bad file (a misspelt spec, an id of
+no suite check, a missing repro file) is one line, exit 2, nothing written."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ ENTRIES = [KnownFailure("test_a.py::fails", "tracked in #1", date(2026, 12, 31))
            KnownFailure("test_a.py::gated", "needs trees"),
            KnownFailure("test_a.py::gone", "renamed"),
            KnownFailure("test_a.py::passes", "other spec only", spec="eagle")]
+SUITES = Path(__file__).resolve().parent.parent / "conformance" / "suites"
 
 
 def applied(strict: bool = False) -> dict[str, object]:
@@ -81,6 +83,40 @@ def test_the_certificate_lists_them_all() -> None:
     assert "  listed, no such check: test_a.py::gone: renamed" in lines
 
 
+def test_a_known_failure_shows_its_message_and_replays(tmp_path: Path) -> None:
+    """Beside each known failure: the check's failure message, the replay of the repro file the
+    run wrote, and the one the entry names; in report.md, report.json and on the console."""
+    listed = tmp_path / "repros" / "fails.json"
+    listed.parent.mkdir()
+    listed.write_text("{}")
+    entry = KnownFailure("test_a.py::fails", "tracked in #1", repro=str(listed))
+    done = apply_known(results("none", CHECKS[:2]), [entry], "kf.toml", False, TODAY)
+    (item,) = done["known_failures"]["known"]  # type: ignore[index]
+    assert item == {"check": "test_a.py::fails", "reason": "tracked in #1",
+                    "outcome": "failed", "expires": None, "message": "boom",
+                    "repro": "repro/fails.json", "repro_reproduces": "yes",
+                    "listed_repro": str(listed)}
+    cert = build_certificate(done)
+    section = render_markdown(cert, Path("out")).split("## Known failures")[1]
+    for needle in ("- `test_a.py::fails`: tracked in #1", "  - message: boom",
+                   "  - replay: `specgate repro out/repro/fails.json --backend pkg:b`",
+                   f"  - listed repro: `specgate repro {listed} --backend pkg:b`"):
+        assert needle in section, needle
+    assert json.loads(cert.to_json())["known_failures"]["known"] == [item]
+    lines = console_lines([], Rerun("pkg:b", "none"), done["known_failures"], Path("out"))  # type: ignore[arg-type]
+    assert lines == ["  known failure: test_a.py::fails: tracked in #1", "    message: boom",
+                     "    replay: specgate repro out/repro/fails.json --backend pkg:b",
+                     f"    listed repro: specgate repro {listed} --backend pkg:b"]
+
+
+def test_a_known_failure_whose_repro_replays_clean_says_so() -> None:
+    rows = results("none", CHECKS[:1])
+    rows["checks"][0]["repro_reproduces"] = False  # type: ignore[index]
+    done = apply_known(rows, ENTRIES[:1], "kf.toml", False, TODAY)
+    lines = console_lines([], Rerun("b", "none"), done["known_failures"], Path("r"))  # type: ignore[arg-type]
+    assert lines[-1].startswith("    repro file r/repro/fails.json: its scenario replays clean")
+
+
 def test_known_failures_are_skipped_in_junit(tmp_path: Path) -> None:
     path = tmp_path / "junit.xml"
     path.write_text('<testsuites><testsuite tests="2" failures="2">'
@@ -112,6 +148,32 @@ def test_the_file_parses(tmp_path: Path) -> None:
         KnownFailure("test_a.py::long[x,y]", "the long form", date(2026, 12, 31), "eagle")]
 
 
+def test_ids_are_checked_against_the_suite(tmp_path: Path) -> None:
+    """With the suite's directory (as certify gives it), an id's file and function must exist;
+    a parametrize id is not enumerated, so one of any brackets is accepted."""
+    (tmp_path / "kf.toml").write_text(
+        '[known-failures]\n"test_lifecycle.py::test_max_new_tokens[999]" = "r"\n'
+        '"test_lossless.py::test_greedy_matches_reference" = "r"\n')
+    assert len(load_known(tmp_path / "kf.toml", SUITES)) == 2
+    (tmp_path / "kf.toml").write_text(GOOD)
+    with pytest.raises(ValueError, match=r"'test_a\.py' is not a suite module"):
+        load_known(tmp_path / "kf.toml", SUITES)
+
+
+def test_a_repro_path_is_relative_to_the_file(tmp_path: Path) -> None:
+    (tmp_path / "kf" / "repros").mkdir(parents=True)
+    (tmp_path / "kf" / "repros" / "x.json").write_text("{}")
+    (tmp_path / "kf" / "kf.toml").write_text('[known-failures."test_a.py::a"]\nreason = "r"\n'
+                                             'repro = "repros/x.json"\n')
+    (entry,) = load_known(tmp_path / "kf" / "kf.toml")
+    assert entry.repro == str(tmp_path / "kf" / "repros" / "x.json")
+
+
+def test_the_vllm_backends_file_names_checks_of_the_suite() -> None:
+    entries = load_known(SUITES.parent / "backends" / "vllm" / "known-failures.toml", SUITES)
+    assert entries
+
+
 def test_an_entry_may_name_several_specs(tmp_path: Path) -> None:
     """One id is one TOML key, so a check failing under several specs lists them all; the
     entry excuses nothing elsewhere (a spec where the check passes sees no stale entry)."""
@@ -135,6 +197,20 @@ def test_an_entry_may_name_several_specs(tmp_path: Path) -> None:
     ('[known-failures]\n"t.py::a" = 3\n', "expected a reason or a table"),
     ('[known-failures]\n"not-an-id" = "r"\n', "is not a check id"),
     ('[other]\n"t.py::a" = "r"\n', "expected only a [known-failures] table"),
+    ('[known-failures."test_lifecycle.py::test_stop_at_first_token"]\nreason = "r"\n'
+     'spec = "egale"\n', "'test_lifecycle.py::test_stop_at_first_token': unknown spec(s) "
+     "'egale' (known: none, eagle,"),
+    ('[known-failures."test_lifecycle.py::test_stop_at_first_token"]\nreason = "r"\n'
+     'spec = ["eagle", "ngarm"]\n', "unknown spec(s) 'ngarm'"),
+    ('[known-failures]\n"test_lifecycle.py::test_stop_at_frist_token" = "r"\n',
+     "'test_lifecycle.py::test_stop_at_frist_token': no such check: test_lifecycle.py defines "
+     "no check 'test_stop_at_frist_token'"),
+    ('[known-failures]\n"test_lifecycel.py::test_stop_at_first_token[x]" = "r"\n',
+     "no such check: 'test_lifecycel.py' is not a suite module"),
+    ('[known-failures."test_lifecycle.py::test_stop_at_first_token"]\nreason = "r"\n'
+     'repro = "nowhere.json"\n', "repro file"),
+    ('[known-failures."test_lifecycle.py::test_stop_at_first_token"]\nreason = "r"\n'
+     'repro = 3\n', "repro must be a path"),
 ])
 def test_a_bad_file_is_one_line_exit_2_nothing_written(
         capsys: pytest.CaptureFixture[str], random_model_dir: Path, tmp_path: Path, text: str,
@@ -165,14 +241,16 @@ def test_certify_with_known_failures(capsys: pytest.CaptureFixture[str],
     kf = tmp_path / "kf.toml"
     kf.write_text("[known-failures]\n" + "".join(f'"{c}" = "the stop-token bug"\n' for c in failed)
                   + '"test_lifecycle.py::test_max_new_tokens[1]" = "stale by now"\n'
-                  + '"test_lifecycle.py::no_such_check" = "renamed"\n')
+                  + '"test_lifecycle.py::test_max_new_tokens[999]" = "renamed"\n')
     code, out, err = run(capsys, *common, "--known-failures", str(kf), "--report",
                          str(tmp_path / "known"))
     assert code == 0, out
     assert set(verdicts(tmp_path / "known").values()) == {"passed", "known failure"}
-    assert ("warning: --known-failures lists test_lifecycle.py::no_such_check: matches no "
-            "check of this run") in err
+    assert ("warning: --known-failures lists test_lifecycle.py::test_max_new_tokens[999]: "
+            "matches no check of this run") in err
     assert "stale: test_lifecycle.py::test_max_new_tokens[1]" in out
+    assert f"  known failure: {failed[0]}: the stop-token bug\n    message: " in out
+    assert f"    replay: specgate repro {tmp_path / 'known'}/repro/" in out
     md = (tmp_path / "known" / "report.md").read_text()
     assert "stale by now" in md and "PASSED (" in md
     code, _, _ = run(capsys, *common, "--known-failures", str(kf), "--strict-known",

@@ -48,9 +48,12 @@ def test_the_widest_configuration_is_the_largest_per_step_kv_need() -> None:
     assert step_kv_need(chain) == 1 + 2 * 4  # the overlap reservation
 
 
-def _view(free: int, holding: tuple[str, ...]) -> MemoryView:
+def _view(free: int, holding: tuple[str, ...], listed_empty: tuple[str, ...] = ()
+          ) -> MemoryView:
+    """``listed_empty``: waiting requests the view lists with zero KV."""
     return MemoryView(capacity=100, free=free, held=0, page_size=1,
-                      requests={rid: ReqKV(10, 10) for rid in holding})
+                      requests={**{rid: ReqKV(10, 10) for rid in holding},
+                                **{rid: ReqKV(0, 0, "prefill") for rid in listed_empty}})
 
 
 def test_pressure_is_a_retraction_or_a_request_the_free_pool_cannot_hold() -> None:
@@ -67,6 +70,16 @@ def test_pressure_is_a_retraction_or_a_request_the_free_pool_cannot_hold() -> No
     assert witness.queued_steps == 1 and witness.applied(retractions=0)
 
 
+def test_a_request_listed_with_zero_kv_waits() -> None:
+    """The contract lets a view list a waiting request with zero KV rather than leave it out:
+    it waits all the same."""
+    witness = PressureWitness({"a": 10, "b": 40})
+    witness.observe(_view(free=50, holding=("a",), listed_empty=("b",)), live={"a", "b"})
+    assert witness.queued_steps == 0  # it would fit
+    witness.observe(_view(free=30, holding=("a",), listed_empty=("b",)), live={"a", "b"})
+    assert witness.queued_steps == 1
+
+
 def _memory_outcomes(pytester: pytest.Pytester, backend: str, model: Path, *extra: str
                      ) -> tuple[dict[str, dict], int]:
     (pytester.path / "none.ini").write_text("[pytest]\n")
@@ -74,9 +87,12 @@ def _memory_outcomes(pytester: pytest.Pytester, backend: str, model: Path, *extr
     return {c["nodeid"].split("/")[-1]: c for c in results["checks"]}, res.ret
 
 
+@pytest.mark.parametrize("variant", ["queueing", "queueing_lists_waiting"])
 def test_a_backend_that_queues_instead_of_retracting_passes(pytester: pytest.Pytester,
-                                                            random_model_dir: Path) -> None:
-    checks, ret = _memory_outcomes(pytester, "tests.conforming_variants:queueing",
+                                                            random_model_dir: Path,
+                                                            variant: str) -> None:
+    """Whether its memory view leaves waiting requests out or lists them with zero KV."""
+    checks, ret = _memory_outcomes(pytester, f"tests.conforming_variants:{variant}",
                                    random_model_dir, "-k", "test_memory and not aborts")
     assert ret == pytest.ExitCode.OK, {k: c["message"] for k, c in checks.items()}
     assert checks and {c["outcome"] for c in checks.values()} == {"passed"}, checks

@@ -14,6 +14,7 @@ from conformance.cli import main
 from conformance.contract import OpenConfig, SamplingParams, SpecConfig
 from conformance.repro.record import check_file_name
 from conformance.repro.scenario import (
+    CHECKS,
     Abort,
     CloseSession,
     OpenSession,
@@ -62,6 +63,19 @@ def _doc(**top: object) -> dict[str, object]:
     return {"specgate_repro": 1, "runs": [run], **top}
 
 
+def _with_accept_lens(lens: object, version: int = 2, spec: object = "chain",
+                      temperature: float = 0.0, **top: object) -> str:
+    """A file whose submit records ``lens`` (12 new tokens, under S=3 unless ``spec`` None)."""
+    doc = _doc(specgate_repro=version, **top)
+    run = doc["runs"][0]  # type: ignore[index]
+    run["config"]["spec"] = None if spec is None else {  # type: ignore[index]
+        "num_steps": 3, "num_draft_tokens": 4}
+    run["actions"][0]["params"] = {"max_new_tokens": 12,  # type: ignore[index]
+                                   "temperature": temperature}
+    run["actions"][0]["accept_lens"] = lens  # type: ignore[index]
+    return json.dumps(doc)
+
+
 def _with_action(action: object) -> str:
     doc = _doc()
     doc["runs"][0]["actions"].append(action)  # type: ignore[index]
@@ -72,7 +86,9 @@ def _with_action(action: object) -> str:
     ("{not json", "not JSON"),
     ("[]", "not a specgate repro file"),
     (json.dumps({"runs": []}), "not a specgate repro file"),
-    (json.dumps(_doc(specgate_repro=2)), "version 2 is not supported"),
+    (json.dumps(_doc(specgate_repro=3)), "version 3 is not supported"),
+    (json.dumps(_doc(specgate_repro=True)), "version True is not supported"),
+    (json.dumps(_doc(specgate_repro=[1])), "version [1] is not supported"),
     (json.dumps(_doc(colour="red")), "unknown field 'colour'"),
     (json.dumps(_doc(checks=["invariants after every step"])), "checks: version 1 replays"),
     (json.dumps({"specgate_repro": 1, "runs": []}), "runs: expected a non-empty list"),
@@ -96,6 +112,16 @@ def _with_action(action: object) -> str:
      "runs[0].config.page_size: expected an integer from 0 to 4096"),
     (json.dumps({"specgate_repro": 1, "runs": [{"config": {}, "actions": []}]}),
      "runs[0].config: missing field 'model'"),
+    (_with_accept_lens([2, 1], version=1), "'accept_lens' needs format version 2"),
+    (_with_accept_lens([2, 1], checks=list(CHECKS[1])), "checks: version 2 replays exactly"),
+    (_with_accept_lens([]), "accept_lens: expected a non-empty list of integers"),
+    (_with_accept_lens("21"), "accept_lens: expected a non-empty list of integers"),
+    (_with_accept_lens([2, 0]), "accept_lens[1]: expected an integer from 1 to 4"),
+    (_with_accept_lens([5]), "accept_lens[0]: expected an integer from 1 to 4"),
+    (_with_accept_lens([True]), "accept_lens[0]: expected an integer from 1 to 4"),
+    (_with_accept_lens([4, 4, 4]), "12 tokens from verify steps, more than max_new_tokens 12"),
+    (_with_accept_lens([2], spec=None), "greedy requests under speculation only"),
+    (_with_accept_lens([2], temperature=0.7), "greedy requests under speculation only"),
 ])
 def test_a_bad_file_is_one_line_naming_where(text: str, needle: str) -> None:
     with pytest.raises(ReproFileError) as caught:
@@ -143,3 +169,28 @@ def test_repro_refuses_a_bad_spec(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["repro", str(good), "--spec", spec]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
+
+
+CHAIN = OpenConfig(model="tiny-code", spec=SpecConfig(num_steps=3, num_draft_tokens=4))
+
+
+def test_a_file_is_written_in_the_lowest_version_that_holds_it() -> None:
+    plain = Submit("a", (1, 2), SamplingParams(max_new_tokens=12))
+    v1 = Scenario((Run(CHAIN, (plain, Step(3))),))
+    assert json.loads(to_json(v1))["specgate_repro"] == 1
+    assert json.loads(to_json(v1))["checks"] == list(CHECKS[1])
+    measured = Scenario((Run(CHAIN, (Submit("a", (1, 2), SamplingParams(max_new_tokens=12),
+                                            accept_lens=(4, 1, 3)), Step(3))),))
+    doc = json.loads(to_json(measured))
+    assert doc["specgate_repro"] == 2 and doc["checks"] == list(CHECKS[2])
+    assert doc["runs"][0]["actions"][0]["accept_lens"] == [4, 1, 3]
+    assert parse(to_json(measured)) == measured and parse(to_json(v1)) == v1
+
+
+def test_token_ids_are_one_line_of_the_file() -> None:
+    def text(prompt: tuple[int, ...]) -> str:
+        return to_json(Scenario((Run(CHAIN, (Submit("a", prompt), Step(2))),)))
+
+    long = tuple(range(100, 160))
+    assert f'"prompt_ids": {list(long)}' in text(long)
+    assert len(text(long).splitlines()) == len(text((7,)).splitlines())

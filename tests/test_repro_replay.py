@@ -113,3 +113,22 @@ def test_a_backend_lacking_a_capability_is_refused(tmp_path: Path,
     assert main(["repro", str(path), "--backend", "ctranslate2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not claim" in err[0] and "sessions" in err[0], err
+
+
+def test_an_abort_nobody_asked_for_diverges() -> None:
+    """A scenario without an abort, on the mutant that gives up a retracted session turn: the
+    turn's finish 'abort' is a divergence (the driver's check), not a rolled-back turn."""
+    def greedy(n: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+    # forced retraction takes the second of the two decoding requests: the session's turn
+    run = Run(OpenConfig(model="tiny-code", retract_every=3),
+              (OpenSession("s"), Submit("t0", (5, 6, 7, 8), greedy(2), "s"), Step(3),
+               Submit("other", (12, 13, 14, 15), greedy(8)),
+               Submit("t1", (9, 10, 11), greedy(8), "s")))
+    scenario = Scenario((run,))
+    assert replay(scenario, load_backend("refengine")) is None
+    found = replay(scenario, load_backend("mutant:aborts_retracted_session_turns"))
+    assert found is not None and found.rid is None and found.expected == (
+        "the suite's invariants hold"), found
+    assert "request 't1' finished 'abort'" in found.came and "never aborted it" in found.came

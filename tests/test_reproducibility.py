@@ -1,6 +1,9 @@
 """The reproducibility tier has teeth: the reference engine passes it, and each check fails on a
 backend that breaks what it guards (the bug zoo's seed mutants, and two seed bugs defined here:
-one seed for every request, a fresh seed at every retraction)."""
+one seed for every request, a fresh seed at every retraction). A backend that ignores
+temperature and seed (every stream the likeliest one) fails the collision checks for what it
+does, on the bundled model and under ``--model``: the chance of a collision comes from the
+reference oracle, never from the backend's own streams."""
 
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ from refengine.request import Req
 from refengine.scheduler import Scheduler
 
 pytest_plugins = ["pytester"]
+# The random model is built (importing transformers) before any in-process suite run: pytester
+# drops the modules a run imported, and transformers imported after that fails to load.
+pytestmark = pytest.mark.usefixtures("random_model_dir")
 
 TIER = Path(__file__).resolve().parents[1] / "conformance" / "suites" / "test_reproducibility.py"
 
@@ -48,12 +54,18 @@ def reseeds_on_retract() -> MutantBackend:
     return MutantBackend(Mutant("reseeds_on_retract", ReseedsOnRetract))
 
 
+def checks(pytester: pytest.Pytester, backend: str, spec: str = "none",
+           model: Path = Path("tiny-code")) -> dict[str, dict]:
+    """The tier's checks on ``backend`` (gate profile): check name -> its row."""
+    (pytester.path / "none.ini").write_text("[pytest]\n")
+    _, results = run_suite(pytester, backend, model, "--specgate-spec", spec,
+                           "-k", "test_reproducibility", str(TIER))
+    return {str(c["nodeid"]).rsplit("::", 1)[1]: c for c in results["checks"]}
+
+
 def outcomes(pytester: pytest.Pytester, backend: str, spec: str = "none") -> dict[str, str]:
     """The tier's checks on ``backend`` (tiny-code, gate profile): check name -> outcome."""
-    (pytester.path / "none.ini").write_text("[pytest]\n")
-    _, results = run_suite(pytester, backend, Path("tiny-code"), "--specgate-spec", spec,
-                           "-k", "test_reproducibility", str(TIER))
-    return {str(c["nodeid"]).rsplit("::", 1)[1]: str(c["outcome"]) for c in results["checks"]}
+    return {name: str(row["outcome"]) for name, row in checks(pytester, backend, spec).items()}
 
 
 def test_the_reference_engine_passes(pytester: pytest.Pytester) -> None:
@@ -84,3 +96,26 @@ def test_a_new_seed_at_retraction_fails_the_retraction_check(pytester: pytest.Py
     got = outcomes(pytester, "tests.test_reproducibility:reseeds_on_retract")
     assert got["test_seed_fixes_the_stream_across_retraction"] == "failed", got
     assert got["test_seed_fixes_the_stream_whatever_the_batch"] == "passed", got
+
+
+def _fails_for_identical_streams(rows: dict[str, dict]) -> None:
+    """Both collision checks fail on what the backend did: every stream identical, where the
+    oracle puts the chance of one honest pair coinciding far below the bound."""
+    for name in ("test_different_seeds_give_different_streams",
+                 "test_unseeded_requests_do_not_collide"):
+        row = rows[name]
+        assert row["outcome"] == "failed", rows
+        assert "15 of 15 pairs gave identical 16-token streams" in row["message"], row
+        assert float(row["figures"]["collision_chance"][0]) < 1e-6, row
+
+
+def test_ignoring_temperature_and_seed_fails_on_the_bundled_model(
+        pytester: pytest.Pytester) -> None:
+    _fails_for_identical_streams(checks(pytester, "mutant:ignores_temperature_and_seed"))
+
+
+def test_ignoring_temperature_and_seed_fails_under_another_model(
+        pytester: pytest.Pytester, random_model_dir: Path) -> None:
+    """Under ``--model``: failed, not "not applicable"."""
+    _fails_for_identical_streams(checks(pytester, "mutant:ignores_temperature_and_seed",
+                                        model=random_model_dir))

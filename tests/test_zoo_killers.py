@@ -25,15 +25,20 @@ REPRESENTATIVES = {
     "batch_leaks_across_rows",         # batch-dependent attention: lossless
     "all_finish_leaves_verify_input",  # speculative state machine: worker
     "stale_result_applied",            # overlap stale results: lifecycle in-flight cases
+    "retract_requeued_at_back",        # retraction order and events: lifecycle (R1-R2)
     "late_commit",                     # what a session keeps: sessions
     "stop_turn_ends_with_eos",         # a stop-ended turn's kept context: sessions endings
+    "aborts_retracted_session_turns",  # an abort nobody asked for: sessions, the driver
     "stale_padded_rows",               # graph padding: graph tier
     "room_counts_verify_block_only",   # KV need of the widest configuration: memory tier
     "ends_short_of_context_limit",     # the context limit: memory tier
+    "ends_far_short_of_context_limit",  # the context limit: lossless, whatever is claimed
     "key_width_from_first_request",    # graph key width: lossless with the graph runner on
     "draft_position_shift",            # lossless acceptance regression: golden
+    "tree_mask_wrong_when_n_is_s_plus_1",  # a rule keyed on a shape: lossless drawn shapes
     "draft_skips_non_final_chunks",    # a drafter that misses a chunk: golden chunked trace
     "seed_ignored",                    # seeds: reproducibility
+    "ignores_temperature_and_seed",    # sampling settings dropped: reproducibility collisions
     "verify_ignores_top_p",            # sampled law: distribution
     "greedy_argmax_bf16",              # a bug in code the oracle shares: committed outputs
 }

@@ -1,5 +1,5 @@
 """refengine's finish semantics, for the bundled backends that run their own decoding loop (hf,
-ctranslate2).
+ctranslate2); the oracle's expected finish text uses the same stop-string rule.
 
 Written here rather than imported from refengine, so a bug there cannot hide by being shared:
 a backend built on these rules and compared token for token with refengine checks both.

@@ -7,9 +7,10 @@ numerically different (but correct) implementation may legitimately choose the o
 Traces catch draft-side regressions that output checks cannot see: a worse draft is still
 lossless, only slower.
 A prompt set has a trace per scenario (``golden_scenarios``): the set in one batch, its long
-prompts under chunked prefill (the trace's ``max_prefill_tokens``), and two-turn sessions
-(a turn's ``session_id``; its ``prompt_ids`` are the turn's new tokens). A session turn after
-one with a fragile position is fragile from 0: its context may legitimately differ.
+prompts under chunked prefill (the trace's ``max_prefill_tokens``), two-turn sessions
+(a turn's ``session_id``; its ``prompt_ids`` are the turn's new tokens), and a batch under
+forced retraction (the trace's ``retract_every``; each request's ``retractions``). A session
+turn after one with a fragile position is fragile from 0: its context may legitimately differ.
 
 A configuration drafting with the draft model the suite's specs name for its algorithm
 (``tiny-code-eagle`` for EAGLE) keeps its traces under ``<config>``; one drafting with another
@@ -25,7 +26,8 @@ own tests compare exactly (syrupy, ``GoldenExtension``); other backends that cla
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -33,7 +35,7 @@ from conformance.checks.golden_scenarios import PLAIN, Planned, Scenario, sessio
 from conformance.checks.oracle import top2_margins
 from conformance.run.prompts import load_prompt_set
 from conformance.run.specs import SPECS, config_id
-from refengine import Engine, EngineConfig, FinishEvent, SamplingParams, SpecConfig
+from refengine import Engine, EngineConfig, FinishEvent, RetractEvent, SamplingParams, SpecConfig
 from refengine.data import fixture_names, fixtures_root, golden_root
 
 SCHEMA_VERSION = 1
@@ -41,7 +43,7 @@ FRAGILE_MARGIN = 1e-3     # logits: a closer top-2 is a near-tie
 TAU_RTOL = 0.05           # mean tau of another backend within 5% of the golden one
 RECORD_MAX_NEW_TOKENS = 128
 # Fields a trace leaves out of its file when unset, so traces without them keep their bytes.
-UNSET_OMITTED = ("session_id", "max_prefill_tokens")
+UNSET_OMITTED = ("session_id", "max_prefill_tokens", "retractions", "retract_every")
 
 
 @dataclass
@@ -52,6 +54,23 @@ class GoldenRequest:
     accept_lens: list[int]
     fragile_from: int | None
     session_id: str | None = None  # a session's turn, after the session's earlier turns
+    retractions: int | None = None  # times the forced-retraction hook retracted it (None: off)
+
+    def exact_upto(self, produced: int) -> int:
+        """The output indices a run that produced ``produced`` of its tokens must match
+        exactly: those before its first fragile position."""
+        return min(produced, len(self.output_ids) if self.fragile_from is None
+                   else self.fragile_from)
+
+    def steps_within(self, lens: list[int], upto: int) -> int:
+        """``comparable_steps`` of ``lens`` (its own or a run's) for this request: a
+        retraction's re-prefill emits a token of no verify step, and where it fell is not
+        recorded, so each one takes a token off ``upto``."""
+        return comparable_steps(lens, upto - (self.retractions or 0))
+
+    def exact_steps(self, produced: int) -> int:
+        """How many of its leading verify steps such a run must match exactly."""
+        return self.steps_within(self.accept_lens, self.exact_upto(produced))
 
 
 @dataclass
@@ -64,6 +83,7 @@ class GoldenTrace:
     requests: list[GoldenRequest]
     summary: dict[str, object]
     max_prefill_tokens: int | None = None  # the prefill budget it ran under (None: default)
+    retract_every: int | None = None  # the forced-retraction hook it ran under (None: off)
 
     def to_json(self) -> str:
         raw = _without_unset(asdict(self))
@@ -111,10 +131,11 @@ def fixture_hashes(config: SpecConfig, model: str) -> dict[str, str]:
 
 
 def run_waves(engine: Engine, planned: Sequence[Planned | GoldenRequest],
-              params: SamplingParams) -> dict[str, FinishEvent]:
+              params: SamplingParams, retracted: Counter[str] | None = None
+              ) -> dict[str, FinishEvent]:
     """Each wave of ``planned`` (a trace's requests, before or after recording) submitted at
     once and run to completion (``waves``), its sessions opened first; the finish of every
-    request."""
+    request. ``retracted``: counts each request's retractions."""
     for session in sessions_of(planned):
         engine.open_session(session)
     done: dict[str, FinishEvent] = {}
@@ -122,7 +143,11 @@ def run_waves(engine: Engine, planned: Sequence[Planned | GoldenRequest],
         for p in wave:
             engine.add_request(p.id, p.prompt_ids, params, p.session_id)
         while any(p.id not in done for p in wave):
-            done.update((ev.rid, ev) for ev in engine.step() if isinstance(ev, FinishEvent))
+            for ev in engine.step():
+                if isinstance(ev, FinishEvent):
+                    done[ev.rid] = ev
+                elif isinstance(ev, RetractEvent) and retracted is not None:
+                    retracted[ev.rid] += 1
     return done
 
 
@@ -130,15 +155,17 @@ def record(config: SpecConfig, prompt_set: str, model: str = "tiny-code",
            max_new_tokens: int = RECORD_MAX_NEW_TOKENS, scenario: Scenario = PLAIN
            ) -> GoldenTrace:
     """Run the reference engine on the scenario's requests of the prompt set, wave by wave
-    (the plain and chunked traces: one batch), and trace them."""
+    (the plain, chunked and retraction traces: one batch), and trace them."""
     planned = scenario.plan(load_prompt_set(prompt_set, model))
     params = SamplingParams(max_new_tokens=scenario.max_new_tokens or max_new_tokens,
                             temperature=0.0, ignore_eos=True)
     budget = ({} if scenario.max_prefill_tokens is None
               else {"max_prefill_tokens": scenario.max_prefill_tokens})
     engine = Engine(EngineConfig(model=model, spec=config, kv_pool_tokens=65536,
-                                 max_running_requests=max(64, len(planned)), **budget))
-    done = run_waves(engine, planned, params)
+                                 max_running_requests=max(64, len(planned)),
+                                 retract_every=scenario.retract_every, **budget))
+    retracted: Counter[str] = Counter()
+    done = run_waves(engine, planned, params, retracted)
     scorer = Engine(EngineConfig(model=model, kv_pool_tokens=8192, max_running_requests=4))
     contexts: dict[str | None, list[int]] = {}
     unsettled: set[str | None] = set()  # sessions with a fragile turn: later ones may differ
@@ -152,11 +179,12 @@ def record(config: SpecConfig, prompt_set: str, model: str = "tiny-code",
             if fragile is not None:
                 unsettled.add(p.session_id)
         requests.append(GoldenRequest(p.id, p.prompt_ids, output,
-                                      list(done[p.id].accept_lens), fragile, p.session_id))
+                                      list(done[p.id].accept_lens), fragile, p.session_id,
+                                      retracted[p.id] if scenario.retract_every else None))
     return GoldenTrace(SCHEMA_VERSION, fixture_hashes(config, model), asdict(config),
                        asdict(params), prompt_set, requests,
                        summarize([r.accept_lens for r in requests], config.num_steps),
-                       scenario.max_prefill_tokens)
+                       scenario.max_prefill_tokens, scenario.retract_every or None)
 
 
 def suite_draft_model(algorithm: str) -> str:
@@ -213,13 +241,23 @@ def comparable_steps(accept_lens: list[int], upto: int) -> int:
     return steps
 
 
+def expected_acceptance(golden: GoldenTrace, tokens: int) -> dict[str, list[int]]:
+    """Per request, the accept lengths ``compare`` holds a run of ``tokens`` per request to
+    exactly (requests with none left out): what a golden failure's repro file replays."""
+    found = {r.id: r.accept_lens[:r.exact_steps(tokens)] for r in golden.requests}
+    return {rid: lens for rid, lens in found.items() if lens}
+
+
 def compare(golden: GoldenTrace, outputs: dict[str, list[int]],
-            accept_lens: dict[str, list[int]], num_steps: int) -> list[str]:
+            accept_lens: dict[str, list[int]], num_steps: int,
+            retracted: Mapping[str, int] | None = None) -> list[str]:
     """Per request: the output exact up to its first fragile position, and its accept length
     at every verify step before that position exact too (a draft that got worse at one
     position shows here even when the mean hides it); over all requests: mean tau within
     ``TAU_RTOL`` of the golden mean. A run may stop before the trace's length (``outputs``
-    shorter): everything is compared over the tokens it produced. Returns problems."""
+    shorter): everything is compared over the tokens it produced. ``retracted``: how often
+    the run retracted each request, which must be the trace's where it records that (the
+    hook retracts the same requests wherever it is honoured). Returns problems."""
     problems = []
     tau_got: list[list[int]] = []
     tau_want: list[list[int]] = []
@@ -227,12 +265,15 @@ def compare(golden: GoldenTrace, outputs: dict[str, list[int]],
         if req.id not in outputs:
             continue
         produced = len(outputs[req.id])
-        upto = min(produced, len(req.output_ids) if req.fragile_from is None
-                   else req.fragile_from)
+        times = None if retracted is None else retracted.get(req.id, 0)
+        if req.retractions not in (None, times) and produced == len(req.output_ids):
+            problems.append(f"{req.id}: retracted {times} times, golden {req.retractions} "
+                            f"(retract_every {golden.retract_every})")
+        upto = req.exact_upto(produced)
         got, want = outputs[req.id][:upto], req.output_ids[:upto]
         # Mean tau over the verify steps both runs completed inside the produced tokens.
         lens = accept_lens.get(req.id, [])
-        span = min(comparable_steps(req.accept_lens, produced), comparable_steps(lens, produced))
+        span = min(req.steps_within(req.accept_lens, produced), req.steps_within(lens, produced))
         tau_got.append(lens[:span])
         tau_want.append(req.accept_lens[:span])
         if got != want:
@@ -241,7 +282,7 @@ def compare(golden: GoldenTrace, outputs: dict[str, list[int]],
             problems.append(f"{req.id}: output differs from golden at index {first} "
                             f"(before its first fragile position {upto})")
             continue
-        steps = comparable_steps(req.accept_lens, upto)
+        steps = req.exact_steps(produced)
         got_lens, want_lens = lens[:steps], req.accept_lens[:steps]
         if got_lens != want_lens:
             step = next((j for j, (a, b) in enumerate(zip(got_lens, want_lens, strict=False))

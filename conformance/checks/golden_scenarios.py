@@ -8,11 +8,16 @@
 * ``sessions`` (``<prompt-set>-sessions.json``): ``SESSIONS`` streaming sessions of two turns;
   a second turn brings only its new tokens and inherits the first turn's prompt and completion,
   so the drafter must continue from the session's context, not start from the turn's tokens.
+* ``retract`` (``<prompt-set>-retract.json``): the first ``RETRACT_PROMPTS`` prompts in one
+  batch under the forced-retraction hook (``retract_every``: the middle decoding request every
+  ``RETRACT_EVERY`` decode steps); a retracted request re-prefills its prompt and output, so
+  the drafter must go on from the re-prefilled context, not from the prompt.
 
-The chunked and session traces are short (``SCENARIO_TOKENS`` per request) and run whole in
-every profile: a session's second turn is only comparable after the first turn the trace
-recorded. The recorder and the golden tier run a trace's requests in the same ``waves``, so
-the reference engine reproduces every batch, and every float, it recorded.
+The chunked, session and retraction traces are short (``SCENARIO_TOKENS`` per request) and
+run whole in every profile: a session's second turn is only comparable after the first turn
+the trace recorded, and a retraction lands where the hook's step count puts it. The recorder
+and the golden tier run a trace's requests in the same ``waves``, so the reference engine
+reproduces every batch, and every float, it recorded.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ CHUNKED_PROMPTS = 6
 SCENARIO_TOKENS = 32  # tokens per request of the chunked and session traces
 SESSIONS = 6
 TURN_PROMPT_TOKENS = 16  # at most this many new tokens in a second turn
+RETRACT_PROMPTS = 6
+RETRACT_EVERY = 2     # the retraction trace's retract_every (decode steps)
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class Scenario:
     max_new_tokens: int | None      # None: what the recorder is asked for (the plain trace)
     max_prefill_tokens: int | None  # None: the engine's own budget
     plan: Callable[[Sequence[PromptCase]], list[Planned]]
+    retract_every: int = 0          # the forced-retraction hook (0: off)
 
     def trace_name(self, prompt_set: str) -> str:
         return prompt_set + self.suffix
@@ -70,10 +78,15 @@ def _sessions(cases: Sequence[PromptCase]) -> list[Planned]:
         Planned(f"s{j}-t1-{second.id}", list(second.ids[:TURN_PROMPT_TOKENS]), f"s{j}"))]
 
 
+def _retracted(cases: Sequence[PromptCase]) -> list[Planned]:
+    return _plain(cases[:RETRACT_PROMPTS])
+
+
 PLAIN = Scenario("plain", "", None, None, _plain)
 CHUNKED = Scenario("chunked", "-chunked", SCENARIO_TOKENS, CHUNK_TOKENS, _chunked)
 SESSION_TURNS = Scenario("sessions", "-sessions", SCENARIO_TOKENS, None, _sessions)
-SCENARIOS = {s.name: s for s in (PLAIN, CHUNKED, SESSION_TURNS)}
+RETRACTED = Scenario("retract", "-retract", SCENARIO_TOKENS, None, _retracted, RETRACT_EVERY)
+SCENARIOS = {s.name: s for s in (PLAIN, CHUNKED, SESSION_TURNS, RETRACTED)}
 
 
 class _InSession(Protocol):

@@ -7,12 +7,21 @@ adapter; ``tests/test_graph_runner.py`` runs the same functions on the reference
 over a small random model, so the properties have one statement.
 
 Every run goes through a ``Recorder``, which also checks on every graph run that the static
-buffers have not moved since the kind's first graph run. A probe that lists its key widths
+buffers have not moved since the kind's first graph run, and refuses a run that reports no
+outputs (empty outputs would compare equal to anything empty). A probe that lists its key widths
 (``KeyWidthProbe``) also gets cases either side of every width (``check_key_width_boundaries``).
+
+What a probe reports is bounded, so a report cannot make a check vacuous: its max batch lies
+between 1 and the requests the engine was opened for, and within its buckets
+(``check_probe_bounds``); its float tolerance is finite and at most ``TOLERANCE_CAP`` for the
+backend's declared precision (``checked_tolerance``). A check that on a given probe would run
+nothing (no raw size runs padded; no key length of a kind reaches a width) raises
+``NotApplicable`` with the reason, which the tier reports as not applicable, never as passed.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -26,6 +35,56 @@ from conformance.contract.graph_probe import (
     GraphRun,
     KeyWidthProbe,
 )
+
+# The largest float tolerance a probe may report, by the backend's declared precision. float32:
+# ten times the reference probe's own (1e-4, itself about nine times the largest graph-vs-eager
+# difference it shows); float16 and bfloat16: about twice the largest logit change their
+# rounding makes in the reference (the near-tie ceilings, docs/decisions.md "Near-ties"). A
+# graph-only bug (a padded row reading a request's keys, a key width one too narrow) moves
+# outputs by more.
+TOLERANCE_CAP: dict[str, float] = {"float32": 1e-3, "float16": 0.1, "bfloat16": 1.0}
+
+
+class NotApplicable(Exception):
+    """A check that on this probe would run nothing; the message says why."""
+
+
+def check_probe_bounds(probe: GraphProbe, max_requests: int) -> None:
+    """What every check relies on: the probe replays some kind, its buckets ascend from 1,
+    and its max batch is at least 1, at most the requests the engine was opened for
+    (``max_requests``: no replay holds more) and held by its largest bucket."""
+    kinds, buckets, top = probe.kinds(), probe.buckets(), probe.max_batch()
+    assert kinds, "the probe replays no kind"
+    assert buckets and list(buckets) == sorted(set(buckets)) and buckets[0] >= 1, (
+        f"buckets {buckets} are not ascending from at least 1")
+    assert 1 <= top <= max_requests, (
+        f"max_batch() {top}: must be 1 to {max_requests}, the requests the engine was opened "
+        "for (the tier runs every raw size up to it)")
+    assert top <= buckets[-1], f"max_batch() {top} is past the largest bucket {buckets[-1]}"
+
+
+def checked_tolerance(probe: GraphProbe, precision: str) -> float:
+    """The probe's ``float_tolerance()``, refused unless finite, non-negative and at most
+    ``TOLERANCE_CAP[precision]`` (an infinite one would let any difference pass)."""
+    tolerance, cap = probe.float_tolerance(), TOLERANCE_CAP[precision]
+    assert isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and (
+        0 <= tolerance <= cap), (
+        f"float_tolerance() {tolerance!r}: must be finite, from 0 to {cap:g} (the cap for a "
+        f"{precision} backend): graph vs eager is compared within it")
+    return float(tolerance)
+
+
+def padded_sizes(probe: GraphProbe) -> list[int]:
+    """The raw sizes 1..max_batch that run padded (on a bucket bigger than themselves)."""
+    return [raw for raw in range(1, probe.max_batch() + 1)
+            if expected_bucket(probe, raw) not in (raw, None)]
+
+
+def require_padding(probe: GraphProbe) -> None:
+    """``NotApplicable`` when no raw size runs padded (``padded_sizes``)."""
+    if not padded_sizes(probe):
+        raise NotApplicable(f"no raw size 1..{probe.max_batch()} runs padded (buckets "
+                            f"{tuple(probe.buckets())}): there is no padded row to check")
 
 
 def where(run: GraphRun) -> str:
@@ -48,6 +107,7 @@ class Recorder:
     would be read stale)."""
 
     probe: GraphProbe
+    precision: str = "float32"  # the backend's declared precision: bounds its tolerance
     pointers: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def run(self, kind: str, raw: int, mode: Literal["eager", "graph"], seed: int = 0,
@@ -57,6 +117,10 @@ class Recorder:
         assert set(run.state) == set(run.initial) == set(STATE_DIGESTS), (
             f"{at} {mode}: state digests {sorted(run.state)} / {sorted(run.initial)}, "
             f"expected {list(STATE_DIGESTS)}")
+        empty = [name for name, t in run.outputs.items() if t.numel() == 0]
+        assert run.outputs and not empty, (
+            f"{at} {mode}: reported {'no outputs' if not run.outputs else f'empty {empty}'} "
+            f"for {raw} real rows: nothing to compare")
         if mode == "eager":
             return run
         want = expected_bucket(self.probe, raw)
@@ -127,7 +191,8 @@ def graph_against_eager(rec: Recorder, kind: str, raw: int, seed: int = 0,
         f"{where(graph)}: the graph run started from other state than the eager run "
         f"(digests {[k for k in STATE_DIGESTS if graph.initial[k] != eager.initial[k]]}); "
         "the probe must reset per run")
-    compare_outputs(graph, eager, rec.probe.float_tolerance(), "graph vs eager")
+    compare_outputs(graph, eager, checked_tolerance(rec.probe, rec.precision),
+                    "graph vs eager")
     check_state_untouched(rec.probe, eager)
     check_state_untouched(rec.probe, graph)
     compare_state(graph, eager.state, "the eager run's", "padded rows wrote state a "
@@ -135,10 +200,12 @@ def graph_against_eager(rec: Recorder, kind: str, raw: int, seed: int = 0,
     return graph
 
 
-def check_graph_matches_eager(probe: GraphProbe, kind: str, seed: int = 0) -> Recorder:
-    """Every raw size: graph outputs == eager (tolerance for floats), both start from the
-    same state, and neither changes anything but the real rows' KV (and the dummy page)."""
-    rec = Recorder(probe)
+def check_graph_matches_eager(probe: GraphProbe, kind: str, seed: int = 0,
+                              precision: str = "float32") -> Recorder:
+    """Every raw size: graph outputs == eager (tolerance for floats, ``checked_tolerance``),
+    both start from the same state, and neither changes anything but the real rows' KV (and
+    the dummy page)."""
+    rec = Recorder(probe, precision)
     for raw in range(1, probe.max_batch() + 1):
         graph_against_eager(rec, kind, raw, seed)
     return rec
@@ -153,18 +220,26 @@ def width_contexts(probe: KeyWidthProbe, kind: str, up_to: int | None = None) ->
 
 
 def check_key_width_boundaries(probe: GraphProbe, kind: str, raw: int, seed: int = 0,
-                               up_to: int | None = None) -> Recorder:
+                               up_to: int | None = None, precision: str = "float32"
+                               ) -> Recorder:
     """``raw`` requests whose longest key length sits either side of every key width, up to
     ``up_to`` (``width_contexts``): graph == eager as in ``check_graph_matches_eager``, and
     the width the graph run reports (if it does) is the smallest that holds the key length. A
     width one too narrow drops the newest keys; one too wide costs time only, but says the
-    choice is off by one."""
+    choice is off by one. ``NotApplicable`` when no key length of ``kind`` in reach sits by a
+    width."""
     assert isinstance(probe, KeyWidthProbe), "the probe lists no key widths"
-    rec = Recorder(probe)
+    rec = Recorder(probe, precision)
     widths = probe.key_widths(kind)
-    assert list(widths) == sorted(set(widths)) and widths[0] >= 1, (
+    assert widths and list(widths) == sorted(set(widths)) and widths[0] >= 1, (
         f"kind={kind}: key widths {widths} are not ascending and positive")
-    for context in width_contexts(probe, kind, up_to):
+    contexts = width_contexts(probe, kind, up_to)
+    if not contexts:
+        raise NotApplicable(
+            f"kind={kind}: no key length in reach sits by a key width (widths {widths}, "
+            f"max_context {probe.max_context(kind)}"
+            f"{'' if up_to is None else f', checked up to {up_to}'})")
+    for context in contexts:
         graph = graph_against_eager(rec, kind, raw, seed, context)
         want = next(w for w in widths if w >= context)
         assert graph.key_width in (None, want), (
@@ -177,7 +252,9 @@ def check_padding_policy(probe: GraphProbe, kind: str, seed: int = 0) -> Recorde
     """After the largest batch filled every static row with real values, every raw size's
     padded rows hold the policy's values: the reserved row and slot, in-range token ids and
     positions, the fill length. A tail left from the larger batch would read (or write) a
-    real request's KV, invisibly in the outputs."""
+    real request's KV, invisibly in the outputs. ``NotApplicable`` when no raw size runs
+    padded."""
+    require_padding(probe)
     rec = Recorder(probe)
     policy = probe.padding_policy(kind)
     top = probe.max_batch()
@@ -217,7 +294,9 @@ def check_padding_policy(probe: GraphProbe, kind: str, seed: int = 0) -> Recorde
 
 def check_poisoned_padding(probe: GraphProbe, kind: str, seed: int = 0) -> Recorder:
     """Every raw size: hostile values in the padded tail of every static buffer before
-    staging change nothing -- outputs bitwise, state digests, the staged padding."""
+    staging change nothing -- outputs bitwise, state digests, the staged padding.
+    ``NotApplicable`` when no raw size runs padded (no tail to poison)."""
+    require_padding(probe)
     rec = Recorder(probe)
     for raw in range(1, probe.max_batch() + 1):
         clean = rec.run(kind, raw, "graph", seed)
@@ -243,8 +322,7 @@ def check_no_history_dependence(probe: GraphProbe, kind: str, seed: int = 0) -> 
     rec = Recorder(probe)
     top = probe.max_batch()
     buckets = probe.buckets()
-    padded = [raw for raw in range(1, top + 1) if raw not in buckets]
-    for raw in padded or range(1, top + 1):
+    for raw in padded_sizes(probe) or range(1, top + 1):
         first = rec.run(kind, raw, "graph", seed)
         kept = {name: t.clone() for name, t in first.outputs.items()}
         others = [b for b in buckets if b not in (first.bucket, top)]

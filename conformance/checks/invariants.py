@@ -22,6 +22,13 @@ def _paged(tokens: int, page_size: int) -> int:
     return pages * page_size
 
 
+def kv_held(view: MemoryView, rid: str) -> int:
+    """Positions ``rid`` holds slots for in ``view``: 0 for a request the view leaves out or
+    lists with zero KV (the contract allows either for one that waits)."""
+    kv = view.requests.get(rid)
+    return 0 if kv is None else kv.allocated
+
+
 def conservation_error(view: MemoryView) -> str | None:
     """M1: every slot is free, held, or owned by exactly one live request."""
     owned = sum(_paged(kv.allocated, view.page_size) for kv in view.requests.values())

@@ -10,8 +10,10 @@ Near-ties. A backend computing in another precision (or merely another order of 
 may pick the other token where the reference's top two logits are closer than its rounding
 noise. A first divergence is a *near-tie* when the backend's token is within the ``epsilon`` of
 its declared precision of the reference's top logit, at that very prefix (the outputs agree up
-to it); anywhere else it is a failure. Past a near-tie nothing of that request can be compared:
-the backend continues a different prefix.
+to it); anywhere else it is a failure. The caller picks the epsilon: float32's is fixed here,
+a reduced precision's is calibrated on the reference (``conformance.checks.calibration``).
+Past a near-tie nothing of that request can be compared: the backend continues a different
+prefix.
 
 Committed expected outputs. For the bundled fixture, greedy outputs come first from the
 outputs committed with specgate (``conformance.checks.expected``), recorded once and checked against
@@ -38,14 +40,17 @@ from typing import Literal
 import torch
 from tokenizers import Tokenizer
 
+from conformance.backends.finish import stop_string_index
 from conformance.checks.expected import ExpectedOutputs, load_expected
 from conformance.checks.sampling_law import target_law
 from refengine import Engine, EngineConfig, SamplingParams
 from refengine.data import resolve_model_dir
 
-# Logits. bfloat16 and float16: about twice the largest change of a top-5 logit gap the
-# reference itself shows in that precision; float32: nine times the largest it shows between
-# prefill shapes, as other engines sum in other orders too (docs/decisions.md, "Near-ties").
+# Logits. float32: the epsilon, nine times the largest top-logit gap change the reference shows
+# between prefill shapes, as other engines sum in other orders too. bfloat16 and float16: the
+# ceiling of the allowance calibrated per run (``conformance.checks.calibration``), about twice
+# the largest change of a top-5 logit gap the reference itself shows in that precision
+# (docs/decisions.md, "Near-ties").
 NEAR_TIE_EPSILON: dict[str, float] = {"float32": 1e-4, "float16": 0.1, "bfloat16": 1.0}
 
 
@@ -158,6 +163,14 @@ class ReferenceOracle:
     def decode(self, ids: list[int]) -> str:
         """The fixture tokenizer's text for ``ids`` (what a backend's finish text is cut from)."""
         return self._tokenizer.decode(list(ids))
+
+    def finish_text(self, output_ids: list[int], stops: tuple[str, ...]) -> str:
+        """The text a request that finished by ``stop`` with ``output_ids`` reports: its output
+        decoded, cut just before the earliest of ``stops`` in it (wherever that one is listed),
+        whole if none occurs (a stop token or EOS ended it)."""
+        text = self.decode(output_ids)
+        cut = stop_string_index(text, stops)
+        return text if cut is None else text[:cut]
 
     def next_token_probs(self, prefix_ids: tuple[int, ...], params: SamplingParams
                          ) -> torch.Tensor:

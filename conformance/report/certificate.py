@@ -23,9 +23,8 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-
-import torch
 
 from conformance.report.acceptance_chart import (
     AcceptPanel,
@@ -36,7 +35,13 @@ from conformance.report.acceptance_chart import (
 )
 from conformance.report.certified import ConfigRun, config_runs, near_ties
 from conformance.report.coverage import CLASSES, RAN, Coverage, coverage
-from conformance.report.failures import DEFAULT_MODEL, Rerun, failure_lines, known_lines
+from conformance.report.failures import (
+    DEFAULT_MODEL,
+    Rerun,
+    failure_lines,
+    known_lines,
+    replay_fields,
+)
 from conformance.report.figures import figures_lines
 from conformance.report.verdict import backend_rows, is_self_check
 from conformance.run.known_failures import KNOWN_FAILURE
@@ -128,11 +133,20 @@ def _status(counts: Counter[str]) -> str:
     return "skipped"
 
 
+def _torch_version() -> str:
+    """The installed torch's version, read from its metadata: building a certificate imports no
+    torch, so ``specgate report merge`` runs where torch is not installed."""
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def _environment(threads: list[int], run: dict[str, object]) -> dict[str, object]:
     """Where the checks ran; ``threads``: the torch intra-op thread counts they ran with (in
     the processes that ran them, which under ``-n`` are not this one); ``run``: the run's
     device record (``conformance.report.environment``)."""
-    return {"python": platform.python_version(), "torch": torch.__version__,
+    return {"python": platform.python_version(), "torch": _torch_version(),
             "platform": platform.platform(),
             "threads per check": ", ".join(map(str, threads)) or "unknown", **run}
 
@@ -170,11 +184,7 @@ def build_certificate(results: dict[str, object]) -> Certificate:
         summaries.append(TierSummary(
             tier, {o: counts[o] for o in OUTCOMES}, INCOMPLETE if unfinished else _status(counts),
             round(sum(float(r["duration"]) for r in rows), 2),
-            [{"check": str(r["nodeid"]), "message": str(r["message"]),
-              **({"repro": str(r["repro"]),
-                  "repro_reproduces": {True: "yes", False: "no"}.get(
-                      r.get("repro_reproduces"), "not replayed")}  # type: ignore[arg-type]
-                 if r.get("repro") else {})}
+            [{"check": str(r["nodeid"]), "message": str(r["message"]), **replay_fields(r)}
              for r in rows if r["outcome"] == "failed"], not_run))
     matrix: dict[str, dict[str, str]] = {}
     for tier, rows in sorted(tiers.items()):
@@ -441,7 +451,7 @@ def render_markdown(cert: Certificate, where: Path = Path(".")) -> str:
         out.append("")
     out += self_check_lines(cert.self_checks)
     out += failure_lines(cert.failures, rerun_of(cert), where)
-    out += known_lines(cert.known_failures)
+    out += known_lines(cert.known_failures, rerun_of(cert).backend, where)
     out += acceptance_lines(cert)
     out += figures_lines(cert.checks)
     out += backend_progress_lines(cert.checks)

@@ -8,8 +8,12 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.table import Table
 
     from conformance.report.certificate import Certificate
+
+# the order the every-spec table names tier statuses in: what needs looking at first
+_STATUS_ORDER = ("failed", "incomplete", "known failure", "not claimed", "skipped")
 
 
 def stdout_console() -> Console:
@@ -22,18 +26,55 @@ def stdout_console() -> Console:
     return console
 
 
+def table(title: str, columns: list[str], rows: list[list[str]], right: tuple[str, ...] = ()
+          ) -> Table:
+    """A rich table; ``right``: the columns of figures."""
+    from rich.table import Table
+
+    made = Table(title=title)
+    for column in columns:
+        made.add_column(column, justify="right" if column in right else "left",
+                        overflow="fold")
+    for row in rows:
+        made.add_row(*row)
+    return made
+
+
 def print_table(title: str, columns: list[str], rows: list[list[str]],
                 right: tuple[str, ...] = ()) -> None:
     """A rich table on stdout; ``right``: the columns of figures."""
-    from rich.table import Table
+    stdout_console().print(table(title, columns, rows, right))
 
-    table = Table(title=title)
-    for column in columns:
-        table.add_column(column, justify="right" if column in right else "left",
-                         overflow="fold")
-    for row in rows:
-        table.add_row(*row)
-    stdout_console().print(table)
+
+def tiers_cell(cert: Certificate) -> str:
+    """A certificate's tiers in one cell: how many passed, then each other status with its
+    tiers (``9 passed; not claimed: graph, kernel``)."""
+    by_status: dict[str, list[str]] = {}
+    for t in cert.tiers:
+        by_status.setdefault(t.status, []).append(t.tier)
+    others = [f"{s}: {', '.join(by_status[s])}" for s in
+              sorted(set(by_status) - {"passed"},
+                     key=lambda s: (_STATUS_ORDER.index(s) if s in _STATUS_ORDER
+                                    else len(_STATUS_ORDER), s))]
+    return "; ".join([f"{len(by_status.get('passed', []))} passed", *others])
+
+
+def spec_table(title: str, certs: list[Certificate]) -> Table:
+    """The every-spec table of a multi-spec run: a row per spec, its tiers in one cell, so that
+    it fits 80 columns without breaking a word (summary.md has a column per tier)."""
+    from conformance.report.certificate import headline
+
+    rows = [[c.spec, headline(c), f"{c.coverage.ran}/{c.coverage.total}",
+             c.coverage.met or "none", tiers_cell(c)] for c in certs]
+    return table(title, ["spec", "result", "ran", "coverage", "tiers"], rows, right=("ran",))
+
+
+def print_summary(title: str, certs: list[Certificate], summary: Path) -> None:
+    """The every-spec table, then where summary.md is (``summary``: as the user will find
+    it)."""
+    out = stdout_console()
+    out.print(spec_table(title, certs))
+    out.print(f"summary: {summary}", markup=False, soft_wrap=True)
 
 
 def print_certificate(cert: Certificate, where: Path) -> None:

@@ -1,14 +1,17 @@
 """What failed and what to do about it, for report.md and the console: each failure with its
 message and the command that replays it (``specgate repro``, where the check left a repro
-file), and what the known-failures file did (``conformance.run.known_failures``)."""
+file), and what the known-failures file did (``conformance.run.known_failures``), each known
+failure with its message and replay commands too."""
 
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-Failure = dict[str, str]  # check, message[, repro, repro_reproduces] (``TierSummary.failures``)
+# check, message[, repro, repro_reproduces[, repro_not_replayed]] (``TierSummary.failures``)
+Failure = dict[str, str]
 NOT_REPLAYABLE = ("its scenario replays clean: what failed is this check's own assertion, not "
                   "one a replay checks")
 Known = dict[str, object] | None    # ``KnownReport`` as report.json holds it
@@ -41,12 +44,56 @@ class Rerun:
         return " ".join(shlex.quote(w) for w in [*words, "--only", check])
 
 
-def repro_command(backend: str, where: Path, repro: str) -> str:
-    """The exact command that replays a failure: the repro file under the certificate
-    directory ``where`` (as the user named it), against the backend the run resolved. The
-    file holds the spec configuration, so no ``--spec`` is needed."""
-    return ("specgate repro " + shlex.quote(str(where / repro)) + " --backend "
-            + shlex.quote(backend))
+def replay_fields(row: Mapping[str, object]) -> dict[str, str]:
+    """A failed check's repro file (under the certificate directory) and whether replaying it
+    reproduced the failure ("yes", "no", "not replayed" and why not); nothing where the check
+    left none."""
+    if not row.get("repro"):
+        return {}
+    fields = {"repro": str(row["repro"]), "repro_reproduces": {True: "yes", False: "no"}.get(
+        row.get("repro_reproduces"), "not replayed")}  # type: ignore[arg-type]
+    if row.get("repro_not_replayed"):
+        fields["repro_not_replayed"] = str(row["repro_not_replayed"])
+    return fields
+
+
+def repro_command(backend: str, file: Path) -> str:
+    """The exact command that replays a failure: its repro file (as the user can reach it),
+    against the backend the run resolved. The file holds the spec configuration, so no
+    ``--spec`` is needed."""
+    return "specgate repro " + shlex.quote(str(file)) + " --backend " + shlex.quote(backend)
+
+
+def _markdown(text: str) -> str:
+    return f"`{text}`"
+
+
+def _plain(text: str) -> str:
+    return text
+
+
+def replay_lines(f: Mapping[str, object], backend: str, where: Path,
+                 code: Callable[[str], str] = _plain) -> list[str]:
+    """What replays a failure, one line each (``code`` formats a command or a path): its repro
+    file under the certificate directory ``where`` (or why it does not replay), the repro file a
+    known-failures entry names (``listed_repro``)."""
+    out = []
+    if f.get("repro") and f.get("repro_reproduces") == "no":
+        out.append(f"repro file {code(str(where / str(f['repro'])))}: {NOT_REPLAYABLE}")
+    elif f.get("repro"):
+        why = f.get("repro_not_replayed")
+        unknown = ((f" (not replayed: {why})" if why else " (not replayed)")
+                   if f.get("repro_reproduces") == "not replayed" else "")
+        out.append(f"replay: {code(repro_command(backend, where / str(f['repro'])))}{unknown}")
+    if f.get("listed_repro"):
+        out.append(f"listed repro: {code(repro_command(backend, Path(str(f['listed_repro']))))}")
+    return out
+
+
+def first_line(message: object) -> str:
+    """A message's first line, at most 200 characters: what the console shows of it."""
+    text = str(message).strip()
+    return text.splitlines()[0][:200] if text else ""
 
 
 def failure_lines(failures: list[Failure], rerun: Rerun, where: Path) -> list[str]:
@@ -58,13 +105,7 @@ def failure_lines(failures: list[Failure], rerun: Rerun, where: Path) -> list[st
     for f in failures:
         out.append(f"- `{f['check']}`: {f['message']}")
         out.append(f"  - rerun: `{rerun.command(f['check'])}`")
-        if f.get("repro") and f.get("repro_reproduces") == "no":
-            out.append(f"  - repro file `{where / f['repro']}`: {NOT_REPLAYABLE}")
-        elif f.get("repro"):
-            unknown = (" (not replayed at the time: the check timed out, and so may a replay)"
-                       if f.get("repro_reproduces") == "not replayed" else "")
-            out.append(f"  - replay: `{repro_command(rerun.backend, where, f['repro'])}`"
-                       f"{unknown}")
+        out += [f"  - {line}" for line in replay_lines(f, rerun.backend, where, _markdown)]
     return [*out, ""]
 
 
@@ -76,8 +117,10 @@ _KINDS = (("known", "known failure", "failed, excused: they do not fail the gate
           ("unknown", "listed, no such check", "no check of this certificate has that id"))
 
 
-def known_lines(known: Known) -> list[str]:
-    """The "Known failures" section of report.md (none without ``--known-failures``)."""
+def known_lines(known: Known, backend: str, where: Path) -> list[str]:
+    """The "Known failures" section of report.md (none without ``--known-failures``): each
+    known failure with its message and what replays it (``backend``: the backend the run
+    resolved; ``where``: the certificate directory)."""
     if known is None:
         return []
     out = ["## Known failures", "", f"From `{known['file']}`"
@@ -92,6 +135,9 @@ def known_lines(known: Known) -> list[str]:
             until = f", until {item['expires']}" if item["expires"] else ""
             now = f" (outcome: {item['outcome']})" if item["outcome"] else ""
             out.append(f"- `{item['check']}`: {item['reason']}{until}{now}")
+            if item.get("message"):
+                out.append(f"  - message: {' '.join(str(item['message']).split())}")
+            out += [f"  - {line}" for line in replay_lines(item, backend, where, _markdown)]
         out.append("")
     if not any(known[kind] for kind, _, _ in _KINDS):
         out += ["No entry applies to this spec.", ""]
@@ -104,14 +150,13 @@ def console_lines(failures: list[Failure], rerun: Rerun, known: Known, where: Pa
     and replay it, and what the known-failures file did."""
     out = []
     for f in failures:
-        first = f["message"].strip().splitlines()[0][:200] if f["message"].strip() else ""
-        out.append(f"  FAILED {f['check']}: {first}")
+        out.append(f"  FAILED {f['check']}: {first_line(f['message'])}")
         out.append(f"    rerun: {rerun.command(f['check'])}")
-        if f.get("repro") and f.get("repro_reproduces") == "no":
-            out.append(f"    repro file {where / f['repro']}: {NOT_REPLAYABLE}")
-        elif f.get("repro"):
-            out.append(f"    replay: {repro_command(rerun.backend, where, f['repro'])}")
-    if known is not None:
-        for kind, name, _ in _KINDS:
-            out += [f"  {name}: {item['check']}: {item['reason']}" for item in known[kind]]
+        out += [f"    {line}" for line in replay_lines(f, rerun.backend, where)]
+    for kind, name, _ in _KINDS if known is not None else ():
+        for item in known[kind]:  # type: ignore[index]
+            out.append(f"  {name}: {item['check']}: {item['reason']}")
+            if item.get("message"):
+                out.append(f"    message: {first_line(item['message'])}")
+            out += [f"    {line}" for line in replay_lines(item, rerun.backend, where)]
     return out

@@ -7,12 +7,16 @@ tier's samplers and controls) gets one table per test function instead, since th
 different figures; and a table that would still be that wide is turned on its side: a row per
 figure, a column per check (its parametrize id). A list or dict longer than ``MAX_CELL`` characters
 shows its first values and how many there are. Figures with a section of their
-own (``SHOWN_ELSEWHERE``) are left out.
+own (``SHOWN_ELSEWHERE``) are left out, and so are those of checks that did not run: a check
+may record a figure before it skips (the kernel tier names the implementation, then finds it
+cannot run here), and a figure beside a skipped check would read as measured.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from conformance.report.coverage import RAN
 
 # figures with a section of their own (histograms and per-position rates: Acceptance; near-ties:
 # What was certified), left out of the tables
@@ -105,9 +109,12 @@ def tier_tables(checks: list[Recorded]) -> list[str]:
 
 
 def figures_lines(checks: list[dict[str, object]]) -> list[str]:
-    """The "Figures" section of report.md (nothing when no check recorded a figure)."""
+    """The "Figures" section of report.md (nothing when no check that ran recorded a
+    figure)."""
     tiers: dict[str, list[Recorded]] = {}
     for check in sorted(checks, key=lambda c: str(c["nodeid"])):
+        if check["outcome"] not in RAN:
+            continue
         figures = check.get("figures") or {}
         shown = {k: v for k, v in figures.items()  # type: ignore[union-attr]
                  if k not in SHOWN_ELSEWHERE}

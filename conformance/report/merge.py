@@ -145,10 +145,9 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from conformance.report.certificate import (
         build_certificate,
         summary_markdown,
-        summary_rows,
         write_reports,
     )
-    from conformance.report.console import print_certificate, print_table
+    from conformance.report.console import print_certificate, print_summary
     from conformance.report.junit import merge_junit
     from conformance.report.report_dir import REPRO_DIR, ReportDir, ReportDirError
 
@@ -198,7 +197,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
     for cert, shown in merged:
         print_certificate(cert, shown)
     if multi:
-        print_table("specgate report merge: every spec", *summary_rows([c for c, _ in merged]))
+        print_summary("specgate report merge: every spec", [c for c, _ in merged],
+                      target.target / "summary.md")
     if not merged:
         print("specgate report merge: no check of any spec matches the selection",
               file=sys.stderr)

@@ -19,14 +19,15 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from conformance.repro.scenario import ReproFileError, Scenario, load
+from conformance.repro.scenario import Action, ReproFileError, Scenario, Submit, load
 from conformance.run.usage import UsageError
 
 DEFAULT_BACKEND = "refengine"
 
 
 def with_spec(scenario: Scenario, name: str) -> Scenario:
-    """Every run under the first configuration of spec ``name`` instead of its own."""
+    """Every run under the first configuration of spec ``name`` instead of its own; accept
+    lengths recorded under another configuration are dropped (they say nothing of this one)."""
     from conformance.run.specs import resolve_specs
 
     try:
@@ -36,8 +37,15 @@ def with_spec(scenario: Scenario, name: str) -> Scenario:
     if len(choices) != 1:
         raise UsageError(f"--spec {name}: a replay runs under one spec; name one")
     spec = choices[0].configs[0]
-    return replace(scenario, runs=tuple(replace(r, config=replace(r.config, spec=spec))
-                                        for r in scenario.runs))
+    return replace(scenario, runs=tuple(
+        r if r.config.spec == spec else replace(r, config=replace(r.config, spec=spec),
+                                                actions=tuple(map(_without_acceptance, r.actions)))
+        for r in scenario.runs))
+
+
+def _without_acceptance(action: Action) -> Action:
+    return (replace(action, accept_lens=None)
+            if isinstance(action, Submit) and action.accept_lens is not None else action)
 
 
 def cmd_repro(args: argparse.Namespace) -> int:
@@ -49,7 +57,11 @@ def cmd_repro(args: argparse.Namespace) -> int:
     except ReproFileError as err:
         raise UsageError(str(err)) from None
     if args.spec:
+        recorded = scenario.version
         scenario = with_spec(scenario, args.spec)
+        if scenario.version < recorded:
+            print(f"specgate repro: --spec {args.spec}: the accept lengths recorded under "
+                  "another configuration are not checked", file=sys.stderr)
     if args.emit_pytest:
         return _emit(scenario, Path(args.emit_pytest))
     name = args.backend or recorded_backend(scenario, str(args.file))

@@ -4,10 +4,11 @@ Each example opens one engine instance (page size, a pool small enough to force 
 a roomy one, a forced-retraction schedule, a prefill chunk: each only where the backend claims
 what it needs) and then applies rules: submit (prompts from a few tokens to past the 512 and
 1024 boundaries; greedy or sampled with every setting; stop tokens and stop strings taken from
-the reference's own output, so they really fire; 1 to 24 new tokens), step, abort whatever is
-live in whatever phase it is in, session turns, rollbacks (an aborted turn) and closes. Every
-action goes through ``ActionRunner``, the replay's own, so every step is checked as a replay
-checks it; at the end the example runs to completion and must end idle.
+the reference's own output, so they really fire, up to three stop strings nested with the
+longest listed last; 1 to 24 new tokens), step, abort whatever is live in whatever phase it
+is in, session turns, rollbacks (an aborted turn) and closes. Every action goes through
+``ActionRunner``, the replay's own, so every step is checked as a replay checks it; at the end
+the example runs to completion and must end idle.
 
 When an example fails, Hypothesis shrinks it; the last example it runs is the shrunk one, and
 its driver is the one the plugin's ``RecordedRuns`` holds, so the failing check's repro file
@@ -35,6 +36,7 @@ from conformance.run.requests import context_limit
 ROOMY_POOL = 4096        # tokens: several long requests at once
 MAX_LIVE = 6            # requests in flight at once: enough for batches, small enough to shrink
 MAX_NEW = 24
+MAX_STOPS = 3           # stop strings per request at most
 TIGHT_POOL_PROMPT = 96  # prompt tokens at most in a tight pool (each request must fit alone)
 BOUNDARIES = (512, 1024)
 PAGE_SIZES = (1, 4)     # asked of a memory_view backend, each rounded up to its page_multiple
@@ -176,15 +178,29 @@ class AdapterMachine(RuleBasedStateMachine):
         stop = data.draw(st.sampled_from(["none", "none", "token", "string"]), label="stop")
         if stop == "none":
             return base
-        # a stop that fires: one of the tokens the reference itself will emit
+        # a stop that fires: a token the reference itself will emit, or its text
         want = self.target.oracle.greedy(tuple(prompt), base)
         at = data.draw(st.integers(0, len(want) - 1), label="stop at output index")
         if stop == "token":
             return SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos,
                                   stop_token_ids=(want[at],))
-        text = self.target.oracle.decode([want[at]]).strip()
         return SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos,
-                              stop=(text,) if text else ())
+                              stop=self._stop_strings(want, at))
+
+    def _stop_strings(self, want: list[int], at: int) -> tuple[str, ...]:
+        """1 to ``MAX_STOPS`` stop strings for output index ``at`` (``1 + at % MAX_STOPS``):
+        the token's text, then it with one and with two more characters of the reference's
+        text before it. Each later one holds the first, so none completes before it and the
+        request ends as with the first alone; where they complete together, the one starting
+        earliest in the text is listed last. Taken from ``at`` rather than drawn: a draw of
+        their own would change every later choice, and so the examples a profile runs."""
+        token = self.target.oracle.decode([want[at]]).strip()
+        if not token:
+            return ()
+        text = self.target.oracle.decode(want[:at + 1]).rstrip()
+        start = text.rfind(token)
+        longer = [text[start - k:start + len(token)] for k in (1, 2) if start >= k]
+        return tuple(dict.fromkeys([token, *longer][:1 + at % MAX_STOPS]))
 
     @precondition(lambda self: self.runner is not None and len(self.live) < MAX_LIVE)
     @rule(data=st.data())

@@ -4,26 +4,32 @@ The plugin keeps the drivers a check opened (``RecordedRuns``); when the check f
 runs become one scenario, named after the check and carrying its failure message, and the
 check's row in the results says where the file is (``repro``, relative to the report
 directory) and whether replaying it against the same backend reproduces the failure
-(``repro_reproduces``; None where it was not replayed, after a timeout): a check whose own
-assertion (a statistic, a count) is not one of the scenario's generic checks records a
-scenario that replays clean, and the certificate says so rather than offering a command that
-proves nothing. An interrupted check (Ctrl-C) leaves nothing.
+(``repro_reproduces``): a check whose own assertion (a statistic, a count) is not one of the
+scenario's generic checks records a scenario that replays clean, and the certificate says so
+rather than offering a command that proves nothing. Where the replay did not run (the check
+timed out, or the backend does not claim what the scenario needs) it is None and
+``repro_not_replayed`` says why: a refused replay is no evidence either way. A check whose
+assertion is acceptance (the golden tier's) says what accept lengths it wants per request
+(``RecordedRuns.expect_acceptance``), and its scenario's submits carry them, so the replay
+checks them too. An interrupted check (Ctrl-C) leaves nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from conformance.contract import Backend
 from conformance.report.report_dir import REPRO_DIR
-from conformance.repro.scenario import Scenario, save
+from conformance.repro.scenario import Run, Scenario, Submit, save
 from conformance.run.driver import Driver
 from specwire.untrusted import contained
 
 MAX_NAME = 120
+TIMED_OUT = "the check timed out, and so may a replay"
 
 
 def check_file_name(nodeid: str) -> str:
@@ -38,15 +44,31 @@ def check_file_name(nodeid: str) -> str:
 
 @dataclass
 class RecordedRuns:
-    """The drivers the running check opened, in order."""
+    """The drivers the running check opened, in order, and the accept lengths it wants of its
+    requests (by request id, the first verify steps' each)."""
 
     drivers: list[Driver] = field(default_factory=list)
+    acceptance: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def clear(self) -> None:
         self.drivers.clear()
+        self.acceptance.clear()
+
+    def expect_acceptance(self, lens: Mapping[str, Sequence[int]]) -> None:
+        """The check compares these requests' first verify steps with ``lens``: its scenario
+        records them, for the replay to check."""
+        self.acceptance.update((rid, tuple(steps)) for rid, steps in lens.items() if steps)
+
+    def _with_acceptance(self, run: Run) -> Run:
+        if run.config.spec is None:
+            return run
+        return replace(run, actions=tuple(
+            replace(a, accept_lens=self.acceptance[a.rid])
+            if isinstance(a, Submit) and a.rid in self.acceptance and a.params.greedy else a
+            for a in run.actions))
 
     def scenario(self, check: str, failure: str, backend: str) -> Scenario | None:
-        runs = tuple(d.recorded() for d in self.drivers if d.actions)
+        runs = tuple(self._with_acceptance(d.recorded()) for d in self.drivers if d.actions)
         return Scenario(runs, check, failure, backend) if runs else None
 
 
@@ -55,7 +77,8 @@ def write_repro(runs: RecordedRuns, report_dir: Path, check: str, failure: str,
                 ) -> dict[str, object]:
     """Write the failing check's scenario; -> the properties its results row gets ({} when it
     drove no requests through the adapter). ``replay_it`` False (the check timed out: a replay
-    could hang as long): reproduction is left unknown (None)."""
+    could hang as long) or a replay refused as not applicable: reproduction is left unknown
+    (None), with the reason."""
     from conformance.repro.replay import NotApplicable, replay
 
     scenario = runs.scenario(check, failure, backend_name)
@@ -63,10 +86,10 @@ def write_repro(runs: RecordedRuns, report_dir: Path, check: str, failure: str,
         return {}
     relative = f"{REPRO_DIR}/{check_file_name(check)}"
     save(scenario, contained(report_dir, REPRO_DIR, check_file_name(check)))
-    reproduces: bool | None = None
-    if replay_it:
-        try:
-            reproduces = replay(scenario, backend) is not None
-        except NotApplicable:
-            reproduces = False
-    return {"specgate_repro": relative, "specgate_repro_reproduces": reproduces}
+    found: dict[str, object] = {"specgate_repro": relative, "specgate_repro_reproduces": None}
+    if not replay_it:
+        return {**found, "specgate_repro_not_replayed": TIMED_OUT}
+    try:
+        return {**found, "specgate_repro_reproduces": replay(scenario, backend) is not None}
+    except NotApplicable as err:
+        return {**found, "specgate_repro_not_replayed": str(err)}

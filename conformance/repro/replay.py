@@ -1,12 +1,15 @@
 """Replay a scenario against a backend and find its first divergence.
 
 Each run opens the backend with its recorded ``OpenConfig`` and applies the actions through the
-suite's ``Driver`` (so the invariants after every step are the suite's own); every greedy
-request's tokens are compared with the reference's as they stream, so the divergence found is
-the first one in time, at the step that produced it. A token that differs where the reference
+suite's ``Driver`` (so the invariants after every step are the suite's own, a finish 'abort'
+for a request the scenario does not abort among them); every greedy request's tokens are
+compared with the reference's as they stream, so the divergence found is the first one in
+time, at the step that produced it. A token that differs where the reference
 is at a near-tie for the backend's declared precision ends that request's comparison, as in
 the lossless tier. After its actions a run steps until every request has finished (and must
-end idle); the finish reason must agree with where the reference's output ends.
+end idle); the finish reason must agree with where the reference's output ends, and a stop
+string's finish text must be cut before the earliest one in it. A request whose submit records
+accept lengths (a golden failure's) must have emitted them at its first verify steps.
 
 ``ActionRunner`` is shared with the fuzz tier, which applies the actions its state machine
 chooses the same way.
@@ -17,8 +20,9 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field, replace
 
+from conformance.checks.calibration import near_tie_allowance
 from conformance.checks.invariants import InvariantError
-from conformance.checks.oracle import NEAR_TIE_EPSILON, ReferenceOracle
+from conformance.checks.oracle import ReferenceOracle
 from conformance.contract import (
     Backend,
     Capabilities,
@@ -40,6 +44,7 @@ from conformance.repro.scenario import (
     describe,
 )
 from conformance.run.driver import Driver, backend_call, step_budget
+from conformance.run.profiles import PROFILES
 from conformance.run.requests import context_limit
 
 WAIT_STEPS = 10_000  # how long an action may wait for what it needs to finish
@@ -109,6 +114,8 @@ def requirements(run: Run) -> list[str]:
         needs.append("abort")
     if ops & {OpenSession, CloseSession}:
         needs.append("sessions")
+    if any(isinstance(a, Submit) and a.accept_lens is not None for a in run.actions):
+        needs += ["reference_draft", "acceptance_stats"]
     return needs
 
 
@@ -118,6 +125,7 @@ class _Watched:
     params: SamplingParams
     want: list[int] | None = None  # the reference's greedy output, once asked for
     tied: bool = False             # a near-tie ended its comparison
+    accept_lens: tuple[int, ...] | None = None  # its first verify steps', as recorded
 
 
 @dataclass
@@ -156,7 +164,9 @@ class ActionRunner:
                                       _raised(err))) from err
         spec = config.spec
         driver = Driver(handle, caps, overlap=spec is not None and spec.overlap, config=config)
-        return cls(driver, oracle, NEAR_TIE_EPSILON[caps.precision], number)
+        # judged as the gate judges: a failure the gate calls real replays as real
+        epsilon = near_tie_allowance(config.model, caps.precision, PROFILES["gate"])
+        return cls(driver, oracle, epsilon, number)
 
     def close(self) -> None:
         try:
@@ -225,7 +235,8 @@ class ActionRunner:
         if isinstance(action, Submit):
             d.submit(action.rid, list(action.prompt_ids), action.params, action.session)
             full = d.turns[action.rid][1] if action.session else list(action.prompt_ids)
-            self._watched[action.rid] = _Watched(tuple(full), action.params)
+            self._watched[action.rid] = _Watched(tuple(full), action.params,
+                                                 accept_lens=action.accept_lens)
         elif isinstance(action, Abort) and action.rid in d.live:
             # the contract says nothing of aborting a finished request: a request the recorded
             # backend still ran may already have finished here
@@ -262,6 +273,8 @@ class ActionRunner:
         got = self.driver.outcomes[rid].output_ids if final else self.driver.streamed[rid]
         if final is not None and final.reason == "abort":
             return
+        if final is not None and final.reason == "stop" and w.params.stop:
+            self._check_stop_text(rid, final)
         room = min(w.params.max_new_tokens, context_limit(self.oracle.model) - len(w.prompt))
         if final is not None and final.reason == "length" and len(got) != room:
             self._diverge(rid, f"'length' only after {room} tokens (max_new_tokens "
@@ -279,6 +292,8 @@ class ActionRunner:
             if ended and len(want) < room and final.reason != "stop":
                 self._diverge(rid, f"finish 'stop' (the reference stops after {len(want)} "
                               f"of {room} tokens)", f"finish {final.reason!r}")
+            if ended:
+                self._check_acceptance(rid, w)
             return
         found = self.oracle.divergence(w.prompt, w.params, list(got), self.epsilon)
         if found is not None and found.near_tie:
@@ -287,6 +302,30 @@ class ActionRunner:
         what = found.describe() if found is not None else "differs"
         self._diverge(rid, f"the reference's greedy output ({len(want)} tokens)",
                       f"{len(got)} tokens{' at its finish' if ended else ' so far'}: {what}")
+
+    def _check_acceptance(self, rid: str, w: _Watched) -> None:
+        """A finished request's first verify steps emitted the tokens the scenario records
+        (a draft that got worse is lossless: only its acceptance shows it)."""
+        if w.accept_lens is None:
+            return
+        want = list(w.accept_lens)
+        got = self.driver.outcomes[rid].accept_lens[:len(want)]
+        if got == want:
+            return
+        step = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                    len(got))
+        came = (f"{got[step]} tokens at verify step {step}" if step < len(got)
+                else f"only {len(got)} verify steps")
+        self._diverge(rid, f"the recorded accept lengths of its first {len(want)} verify steps "
+                      f"({want[step]} tokens at verify step {step})", came)
+
+    def _check_stop_text(self, rid: str, final: FinishEvent) -> None:
+        """A request with stop strings that finished by ``stop`` reports its own output's text
+        cut before the earliest stop string in it (whole where none occurs)."""
+        want = self.oracle.finish_text(list(final.output_ids), self._watched[rid].params.stop)
+        if final.text != want:
+            self._diverge(rid, f"finish text ending {want[-16:]!r} (cut before the earliest "
+                          f"stop string)", f"finish text ending {final.text[-16:]!r}")
 
     def _check_seeded(self, rid: str, w: _Watched, got: list[int]) -> None:
         """A seeded sampled request that finished: the same request (prompt, parameters, spec

@@ -7,8 +7,11 @@ It holds token ids, not text, so any backend with the same tokenizer replays it.
 checks is fixed by the format (``docs/repro.md``): the driver's invariants after every step,
 every greedy request's tokens against the reference as they stream, finish reasons, that each
 run ends idle, and (for a backend claiming ``seeded_sampling``) that a seeded sampled request
-comes out the same every time it runs. The file also names the check it came from and how that
-check failed.
+comes out the same every time it runs, and (version 2) the accept lengths a submit records: a
+golden-tier failure's, so replaying it shows the acceptance that failed. The file also names the
+check it came from and how that check failed. A file is written in the lowest version that
+holds it (one without accept lengths: version 1), laid out by ``compact_json`` (a list of
+token ids on one line).
 
 ``load`` refuses an unknown version, an unknown or missing field and a bad value with one line
 (``ReproFileError``) naming where in the file the problem is. A file is data from a stranger
@@ -19,22 +22,25 @@ replay for more steps, tokens or memory than a real check ever records, many tim
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from conformance.contract import OpenConfig, SamplingParams, SpecConfig
+from conformance.repro.compact_json import dumps
 from specwire.untrusted import MiB, UntrustedFileError, parse_json, read_text
 
-VERSION = 1
+VERSION = 2  # the newest this specgate reads and writes
 FORMAT_KEY = "specgate_repro"
-# What replaying a version-1 file checks; every file states it, so a reader need not know the
-# version's rules (``docs/repro.md``).
-CHECKS = ("invariants after every step", "greedy outputs against the reference as they stream",
-          "finish reasons", "every run ends idle",
-          "a seeded sampled request comes out the same every time it runs")
+# What replaying a file of each version checks; every file states its version's list, so a
+# reader need not know the version's rules (``docs/repro.md``).
+_CHECKS_V1 = ("invariants after every step",
+              "greedy outputs against the reference as they stream", "finish reasons",
+              "every run ends idle",
+              "a seeded sampled request comes out the same every time it runs")
+CHECKS = {1: _CHECKS_V1,
+          2: (*_CHECKS_V1, "accept lengths per verify step where a submit records them")}
 
 
 MAX_FILE_BYTES = 32 * MiB
@@ -61,6 +67,9 @@ class Submit:
     prompt_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     session: str | None = None  # a session turn: the prompt holds only the turn's new tokens
+    # tokens its first verify steps must emit, one entry per step (version 2; a greedy request
+    # under speculation): what a golden check compared exactly
+    accept_lens: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,12 @@ class Scenario:
     def action_count(self) -> int:
         return sum(len(r.actions) for r in self.runs)
 
+    @property
+    def version(self) -> int:
+        """The lowest format version that holds it."""
+        return 2 if any(isinstance(a, Submit) and a.accept_lens is not None
+                        for r in self.runs for a in r.actions) else 1
+
 
 # ---- writing ---------------------------------------------------------------------------------
 
@@ -130,8 +145,11 @@ def _action_json(action: Action) -> dict[str, Any]:
     if isinstance(action, Submit):
         body["prompt_ids"] = list(action.prompt_ids)
         body["params"] = _params_json(action.params)
-        if action.session is None:
-            del body["session"]
+        for name in ("session", "accept_lens"):
+            if body[name] is None:
+                del body[name]
+        if action.accept_lens is not None:
+            body["accept_lens"] = list(action.accept_lens)
     return body
 
 
@@ -149,11 +167,12 @@ def _config_json(config: OpenConfig) -> dict[str, Any]:
 
 
 def to_json(scenario: Scenario) -> str:
-    doc = {FORMAT_KEY: VERSION, "checks": list(CHECKS), "check": scenario.check,
+    version = scenario.version
+    doc = {FORMAT_KEY: version, "checks": list(CHECKS[version]), "check": scenario.check,
            "failure": scenario.failure, "backend": scenario.backend,
            "runs": [{"config": _config_json(r.config),
                      "actions": [_action_json(a) for a in r.actions]} for r in scenario.runs]}
-    return json.dumps(doc, indent=1) + "\n"
+    return dumps(doc) + "\n"
 
 
 def save(scenario: Scenario, path: Path) -> None:
@@ -229,11 +248,31 @@ def _params(where: str, body: object) -> SamplingParams:
     return _build(where, SamplingParams, kwargs)
 
 
-def _action(where: str, body: object) -> Action:
+def _accept_lens(where: str, value: object, spec: SpecConfig | None,
+                 params: SamplingParams) -> tuple[int, ...]:
+    """Tokens per verify step: each from 1 to the chain's depth plus the bonus token, fewer in
+    all than the request's ``max_new_tokens`` (its first token comes from prefill), for a
+    greedy request under speculation (where acceptance is determined)."""
+    if spec is None or not params.greedy:
+        raise ReproFileError(f"{where}: accept lengths are recorded for greedy requests under "
+                             "speculation only")
+    if not isinstance(value, list) or not value:
+        raise ReproFileError(f"{where}: expected a non-empty list of integers")
+    lens = tuple(_count(f"{where}[{i}]", n, 1, spec.num_steps + 1) for i, n in enumerate(value))
+    if sum(lens) >= params.max_new_tokens:
+        raise ReproFileError(f"{where}: {sum(lens)} tokens from verify steps, more than "
+                             f"max_new_tokens {params.max_new_tokens} leaves after prefill's")
+    return lens
+
+
+def _action(where: str, body: object, version: int, spec: SpecConfig | None) -> Action:
     if not isinstance(body, Mapping) or not isinstance(body.get("op"), str) \
             or body["op"] not in OPS:
         op = body.get("op") if isinstance(body, Mapping) else body
         raise ReproFileError(f"{where}: unknown op {op!r:.80} (known: {', '.join(OPS)})")
+    if version < 2 and "accept_lens" in body:
+        raise ReproFileError(f"{where}: field 'accept_lens' needs format version 2, the file "
+                             f"says {version}")
     cls = OPS[body["op"]]
     required = frozenset({"rid", "prompt_ids"} if cls is Submit else
                          set() if cls is Step else {f.name for f in fields(cls)})
@@ -244,6 +283,9 @@ def _action(where: str, body: object) -> Action:
         kwargs["params"] = _params(f"{where}.params", kwargs.get("params", {}))
         if kwargs.get("session") is not None:
             kwargs["session"] = _string(f"{where}.session", kwargs["session"])
+        if kwargs.get("accept_lens") is not None:
+            kwargs["accept_lens"] = _accept_lens(f"{where}.accept_lens", kwargs["accept_lens"],
+                                                 spec, kwargs["params"])
     elif cls is Step:
         _count(f"{where}.times", kwargs.get("times", 1), 1, LIMITS["times"])
     else:
@@ -281,14 +323,16 @@ def parse(text: str, source: str = "repro file") -> Scenario:
         raise ReproFileError(str(err)) from None
     if not isinstance(doc, Mapping) or FORMAT_KEY not in doc:
         raise ReproFileError(f"{source}: not a specgate repro file (no {FORMAT_KEY!r} field)")
-    if doc[FORMAT_KEY] != VERSION:
-        raise ReproFileError(f"{source}: repro format version {doc[FORMAT_KEY]!r:.40} is not "
-                             f"supported (this specgate reads version {VERSION})")
+    version = doc[FORMAT_KEY]
+    if not isinstance(version, int) or isinstance(version, bool) or version not in CHECKS:
+        raise ReproFileError(f"{source}: repro format version {version!r:.40} is not "
+                             f"supported (this specgate reads versions 1 to {VERSION})")
     top = _fields(source, doc, Scenario, frozenset({"runs"}),
                   extra=frozenset({FORMAT_KEY, "checks"}))
-    if doc.get("checks", list(CHECKS)) != list(CHECKS):
-        raise ReproFileError(f"{source}: checks: version {VERSION} replays exactly "
-                             f"{list(CHECKS)}, the file asks for {doc['checks']!r:.200}")
+    if doc.get("checks", list(CHECKS[version])) != list(CHECKS[version]):
+        raise ReproFileError(f"{source}: checks: version {version} replays exactly "
+                             f"{list(CHECKS[version])}, the file asks for "
+                             f"{doc['checks']!r:.200}")
     runs = top["runs"]
     if not isinstance(runs, list) or not runs or len(runs) > LIMITS["runs"]:
         raise ReproFileError(f"{source}: runs: expected a non-empty list of at most "
@@ -300,9 +344,9 @@ def parse(text: str, source: str = "repro file") -> Scenario:
         if not isinstance(kwargs["actions"], list) or len(kwargs["actions"]) > LIMITS["actions"]:
             raise ReproFileError(f"{where}.actions: expected a list of at most "
                                  f"{LIMITS['actions']}")
-        built.append(Run(_config(f"{where}.config", kwargs["config"]),
-                         tuple(_action(f"{where}.actions[{j}]", a)
-                               for j, a in enumerate(kwargs["actions"]))))
+        config = _config(f"{where}.config", kwargs["config"])
+        built.append(Run(config, tuple(_action(f"{where}.actions[{j}]", a, version, config.spec)
+                                       for j, a in enumerate(kwargs["actions"]))))
     steps = sum(a.times for r in built for a in r.actions if isinstance(a, Step))
     if steps > LIMITS["steps"]:
         raise ReproFileError(f"{source}: asks for {steps} steps in all, more than "

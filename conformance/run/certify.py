@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from conformance.contract import OpenConfig
 from conformance.contract.versions import ContractRefusal, config_for, declared_version
-from conformance.report.console import print_certificate, print_table
+from conformance.report.console import print_certificate, print_summary
 from conformance.run.usage import Interrupted, UsageError, validate
 from specwire.untrusted import contained
 
@@ -151,13 +151,14 @@ def _certify_one(args: argparse.Namespace, spec: SpecChoice, out_dir: Path, fini
 
 def _known_from(args: argparse.Namespace) -> list[KnownFailure] | None:
     from conformance.run.known_failures import load_known
+    from conformance.run.suite import suite_dir
 
     if args.known_failures is None:
         if args.strict_known:
             raise UsageError("--strict-known needs --known-failures FILE")
         return None
     try:
-        return load_known(Path(args.known_failures))
+        return load_known(Path(args.known_failures), suite_dir())
     except ValueError as err:
         raise UsageError(str(err)) from None
 
@@ -207,7 +208,6 @@ def cmd_certify(args: argparse.Namespace) -> int:
     from conformance.report.certificate import (
         build_certificate,
         summary_markdown,
-        summary_rows,
         write_reports,
     )
     from conformance.report.progress import stderr_console
@@ -279,7 +279,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
         if multi and (certs or ran_all):
             (target.staging / "summary.md").write_text(summary_markdown(certs))
         if multi and certs:
-            print_table("specgate certify: every spec", *summary_rows(certs))
+            print_summary("specgate certify: every spec", certs, target.target / "summary.md")
         elif multi and ran_all:
             console.print(f"specgate certify: no check of any spec matches "
                           f"{finish.selection.describe()}", markup=False)

@@ -1,9 +1,11 @@
 """Driver: runs requests through an EngineHandle and checks every step from outside.
 
 After each ``step()`` it checks the event stream (tokens only for live requests, one finish per
-request, finish output == the tokens streamed) and, when the backend claims ``memory_view``,
+request, finish output == the tokens streamed, a finish ``abort`` only for a request the
+suite aborted: the contract has no other abort) and, when the backend claims ``memory_view``,
 that the view's pages are the size its ``config`` asked, the memory invariants M1-M3, and
-whenever nothing is live, M4 (and M5 once no session is open). For
+whenever nothing is live, M4 (and M5 once no session is open); and that retractions are
+reported and not overtaken (R1, R2: ``conformance.checks.retraction``). For
 a streaming session's turn it knows the whole context (earlier turns' prompts and outputs, then
 the turn's new tokens) and checks the inherited KV the turn reports: exactly the context before
 it minus its final token, the previous turn's completion included. A run that stops making
@@ -31,6 +33,7 @@ from conformance.checks.invariants import (
     check_idle,
     page_size_error,
 )
+from conformance.checks.retraction import RetractionWatch
 from conformance.contract import (
     Capabilities,
     EngineHandle,
@@ -88,12 +91,14 @@ class Driver:
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     live: set[str] = field(default_factory=set)
     retracted: Counter[str] = field(default_factory=Counter)  # RetractEvents per request
+    aborted: set[str] = field(default_factory=set)  # asked to abort since their last submit
     contexts: dict[str, list[int]] = field(default_factory=dict)  # open session -> context
     turns: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # rid -> (session,
     #                                                                        full prompt)
     config: OpenConfig | None = None  # what the handle was opened with (for the repro)
     actions: list[Action] = field(default_factory=list)  # every call, in order
     view: MemoryView | None = None  # the memory view after the last step (memory_view)
+    retraction: RetractionWatch = field(default_factory=RetractionWatch)  # R1, R2
 
     def _log(self, action: Action) -> None:
         """Note an action before making it (a call that raises is in the repro); consecutive
@@ -116,11 +121,15 @@ class Driver:
         with self._calling(f"handle.submit({rid!r})"):
             self.handle.submit(Request(rid, tuple(prompt_ids), params, session_id))
         full = list(prompt_ids)
+        inherited = 0
         if session_id is not None:
             full = self.contexts[session_id] + full
             self.turns[rid] = (session_id, full)
+            inherited = self._session_prefix(session_id)
+        self.retraction.submitted(rid, inherited)
         self.prompt_lens[rid] = len(full)
         self.streamed[rid] = []
+        self.aborted.discard(rid)
         self.live.add(rid)
 
     def _calling(self, what: str) -> AbstractContextManager[None]:
@@ -142,6 +151,7 @@ class Driver:
 
     def abort(self, rid: str) -> None:
         self._log(Abort(rid))
+        self.aborted.add(rid)
         with self._calling(f"handle.abort({rid!r})"):
             self.handle.abort(rid)
 
@@ -166,6 +176,9 @@ class Driver:
                            {r: len(t) for r, t in self.streamed.items()}, where, self.overlap)
             else:
                 check_idle(view, f"{where} (idle)", sessions_closed=not self.contexts)
+            problem = self.retraction.observe(self.steps, events, view, self.live - self.aborted)
+            if problem:
+                raise InvariantError(f"{where}: {problem}")
         return events
 
     def _record(self, ev: Event, where: str) -> None:
@@ -179,6 +192,12 @@ class Driver:
             self.retractions += 1
             self.retracted[ev.rid] += 1
         elif isinstance(ev, FinishEvent):
+            if ev.reason == "abort" and ev.rid not in self.aborted:
+                # e.g. a session turn given up under memory pressure instead of retracted: the
+                # output looks like a clean rollback, but the request was never served
+                raise InvariantError(f"{where}: request {ev.rid!r} finished 'abort' after "
+                                     f"{len(self.streamed[ev.rid])} tokens, but the suite never "
+                                     f"aborted it (a backend aborts only when asked)")
             if ev.reason != "abort" and list(ev.output_ids) != self.streamed[ev.rid]:
                 raise InvariantError(f"{where}: request {ev.rid!r} finished with "
                                      f"{len(ev.output_ids)} tokens but streamed "
@@ -194,7 +213,7 @@ class Driver:
         context, an aborted one leaves it as it was (the session rolls back)."""
         session_id, full = self.turns[ev.rid]
         context = self.contexts[session_id]
-        want = max(len(context) - 1, 0)
+        want = self._session_prefix(session_id)
         if ev.cached_tokens != want:
             raise InvariantError(
                 f"{where}: turn {ev.rid!r} of session {session_id!r} reused {ev.cached_tokens} "
@@ -202,6 +221,11 @@ class Driver:
                 f"of earlier prompts and completions, minus its final token)")
         if ev.reason != "abort":
             self.contexts[session_id] = full + list(ev.output_ids)
+
+    def _session_prefix(self, session_id: str) -> int:
+        """Positions of the session's context a turn inherits KV for: all but the final
+        token, whose KV no forward computed."""
+        return max(len(self.contexts[session_id]) - 1, 0)
 
     def run(self, max_steps: int = 100_000) -> dict[str, Outcome]:
         """Step until every submitted request has finished."""

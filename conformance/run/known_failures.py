@@ -7,8 +7,13 @@ The file is TOML (stdlib ``tomllib``; ``tomli`` on Python 3.10), one table per c
     expires = 2026-12-31    # optional: from the next day on it excuses nothing
     spec = "eagle"          # optional: only in this spec's certificate (or a list of specs:
                             # one id can be listed once, and may fail under several)
+    repro = "repros/x.json" # optional: a repro file replaying the failure (from this file's
+                            # directory); the certificate shows the command that replays it
 
-or the short form ``"<check id>" = "<reason>"`` inside ``[known-failures]``.
+or the short form ``"<check id>" = "<reason>"`` inside ``[known-failures]``. A spec must be one
+the suite knows, a repro file must exist, and certify checks every id's ``file::function``
+against the suite's checks (``conformance.run.suite_checks``): a misspelt entry would excuse
+nothing, silently, so it is refused.
 
 It is applied to the results after the suite ran (``apply_known``), never inside pytest: a
 listed check that failed becomes a "known failure" (not passed, not failing the gate); a listed
@@ -24,10 +29,14 @@ from dataclasses import asdict, dataclass, field
 from datetime import date
 from pathlib import Path
 
+from conformance.report.failures import replay_fields
+from conformance.run.specs import SPECS
+from conformance.run.suite_checks import suite_checks, unknown_check
 from specwire.untrusted import MiB, load_toml
 
 KNOWN_FAILURE = "known failure"
 SECTION = "known-failures"
+FIELDS = ("reason", "expires", "spec", "repro")
 MAX_FILE_BYTES = 16 * MiB
 
 
@@ -37,16 +46,22 @@ class KnownFailure:
     reason: str
     expires: date | None = None
     spec: str | tuple[str, ...] | None = None  # None: every spec
+    repro: str | None = None  # a repro file replaying the failure, as a path from the cwd
+
+    @property
+    def specs(self) -> tuple[str, ...]:
+        """The specs the entry names (none: every spec)."""
+        return (self.spec,) if isinstance(self.spec, str) else self.spec or ()
 
     def covers(self, spec: str) -> bool:
         """Whether the entry applies in ``spec``'s certificate."""
-        return self.spec is None or spec in ((self.spec,) if isinstance(self.spec, str)
-                                             else self.spec)
+        return self.spec is None or spec in self.specs
 
 
 @dataclass
 class KnownReport:
-    """What the entries did in one certificate; each item: check, reason, expires, outcome."""
+    """What the entries did in one certificate; each item: check, reason, expires, outcome,
+    and a known failure's message and replays (``_what_failed``)."""
 
     file: str
     strict: bool
@@ -57,16 +72,17 @@ class KnownReport:
     unknown: list[dict[str, object]] = field(default_factory=list)  # no such check here
 
 
-def _entry(check: str, value: object, where: str) -> KnownFailure:
+def _entry(check: str, value: object, where: str, base: Path) -> KnownFailure:
+    """One entry; ``base``: the file's directory, which a repro path is relative to."""
     if isinstance(value, str):
         value = {"reason": value}
     if not isinstance(value, dict):
         raise ValueError(f"{where}: {check!r:.200}: expected a reason or a table, got "
                          f"{value!r:.80}")
-    extra = set(value) - {"reason", "expires", "spec"}
+    extra = set(value) - set(FIELDS)
     if extra:
         raise ValueError(f"{where}: {check!r}: unknown field(s) {', '.join(sorted(extra))} "
-                         f"(known: reason, expires, spec)")
+                         f"(known: {', '.join(FIELDS)})")
     reason, expires, spec = value.get("reason"), value.get("expires"), value.get("spec")
     if not isinstance(reason, str) or not reason.strip():
         raise ValueError(f"{where}: {check!r}: needs a reason (a non-empty string)")
@@ -80,19 +96,55 @@ def _entry(check: str, value: object, where: str) -> KnownFailure:
                          f"strings, got {spec!r:.80}")
     if "::" not in check:
         raise ValueError(f"{where}: {check!r} is not a check id (file.py::name[...])")
-    return KnownFailure(check, reason.strip(), expires, spec)
+    entry = KnownFailure(check, reason.strip(), expires, spec,
+                         _repro(value.get("repro"), base, f"{where}: {check!r}"))
+    unknown = [s for s in entry.specs if s not in SPECS]
+    if unknown:
+        raise ValueError(f"{where}: {check!r}: unknown spec(s) {', '.join(map(repr, unknown))} "
+                         f"(known: {', '.join(SPECS)})")
+    return entry
 
 
-def load_known(path: Path) -> list[KnownFailure]:
-    """The entries of ``path``; ValueError (one line naming file and problem) if it cannot be
-    read, does not parse, or holds a bad field."""
+def _repro(value: object, base: Path, entry: str) -> str | None:
+    """The entry's repro file as a path from the cwd (``base``: the file's directory)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{entry}: repro must be a path (a non-empty string), got "
+                         f"{value!r:.80}")
+    path = base / value.strip()
+    if not path.is_file():
+        raise ValueError(f"{entry}: repro file {path} does not exist")
+    return str(path)
+
+
+def load_known(path: Path, suites: Path | None = None) -> list[KnownFailure]:
+    """The entries of ``path``; ValueError (one line naming file, entry and problem) if it
+    cannot be read, does not parse, or holds a bad field; with ``suites`` (the suite's
+    directory: certify always gives it), also if an id names no check of the suite."""
     where = f"--known-failures {path}"
     data = load_toml(path, where, MAX_FILE_BYTES)
     extra = set(data) - {SECTION}
     if extra or not isinstance(data.get(SECTION, {}), dict):
         raise ValueError(f"{where}: expected only a [{SECTION}] table, found "
                          f"{', '.join(sorted(extra)) or type(data[SECTION]).__name__}")
-    return [_entry(check, value, where) for check, value in data.get(SECTION, {}).items()]
+    entries = [_entry(check, value, where, path.parent)
+               for check, value in data.get(SECTION, {}).items()]
+    if suites is not None:
+        checks = suite_checks(suites)
+        for entry in entries:
+            why = unknown_check(entry.check, checks)
+            if why:
+                raise ValueError(f"{where}: {entry.check!r}: no such check: {why}")
+    return entries
+
+
+def _what_failed(row: dict[str, object], entry: KnownFailure) -> dict[str, object]:
+    """A known failure's message and what replays it: the repro file the run wrote (``repro``,
+    under the certificate directory, and whether it reproduced, as a failure's) and the one the
+    entry names (``listed_repro``)."""
+    return {"message": str(row.get("message", "")), **replay_fields(row),
+            **({"listed_repro": entry.repro} if entry.repro else {})}
 
 
 def apply_known(results: dict[str, object], entries: list[KnownFailure], file: str,
@@ -114,7 +166,7 @@ def apply_known(results: dict[str, object], entries: list[KnownFailure], file: s
             report.expired.append(item)
         elif row["outcome"] == "failed":
             row = {**row, "outcome": KNOWN_FAILURE, "known_reason": entry.reason}
-            report.known.append(item)
+            report.known.append({**item, **_what_failed(row, entry)})
         elif row["outcome"] == "passed":
             report.stale.append(item)
         else:

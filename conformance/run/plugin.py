@@ -413,6 +413,9 @@ class ResultCollector:
         if "specgate_repro" in props:
             self.rows[report.nodeid]["repro"] = props["specgate_repro"]
             self.rows[report.nodeid]["repro_reproduces"] = props["specgate_repro_reproduces"]
+            if "specgate_repro_not_replayed" in props:
+                self.rows[report.nodeid]["repro_not_replayed"] = props[
+                    "specgate_repro_not_replayed"]
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when not in ("setup", "call", "teardown"):

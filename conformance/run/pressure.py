@@ -18,9 +18,10 @@ positions past its committed end that one request may hold while a decode step r
 Pressure (``PressureWitness``): a backend may meet a pool too small for its load by retracting
 requests or by queueing them (admitting fewer until memory frees); the adapter contract allows
 both. A run was under pressure when it retracted a request, or when after some step a request
-it had submitted (and not aborted) waited holding no KV while the pool's free slots could not
-hold that request's whole context (prompt plus ``max_new_tokens``, up to the context limit).
-A pool big enough for every request at once meets neither.
+it had submitted (and not aborted) waited holding no KV (left out of the memory view, or
+listed there with zero KV) while the pool's free slots could not hold that request's whole
+context (prompt plus ``max_new_tokens``, up to the context limit). A pool big enough for every
+request at once meets neither.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from conformance.checks.invariants import kv_held
 from conformance.contract import MemoryView, SpecConfig
 
 
@@ -57,7 +59,7 @@ class PressureWitness:
     def observe(self, view: MemoryView, live: set[str]) -> None:
         """After a step: ``view`` is the backend's memory view, ``live`` the requests
         submitted and not finished."""
-        waiting = live - set(view.requests) - self.aborted
+        waiting = [rid for rid in live - self.aborted if kv_held(view, rid) == 0]
         if any(self.needs[rid] > view.free for rid in waiting):
             self.queued_steps += 1
 

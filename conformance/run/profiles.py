@@ -21,11 +21,14 @@ class Profile:
     # The configurations the memory tier's pressure runs open: every one of the spec, or only
     # the one with the largest per-step KV need (``conformance.run.pressure``).
     pressure_configs: Literal["all", "widest"]
+    # Speculative shapes beyond the spec's named configurations the lossless tier runs
+    # (``conformance.run.shapes``).
+    drawn_shapes: int
 
 
 PROFILES = {
     "gate": Profile("gate", "small", 32, (512,), fuzz_examples=5,
-                    fuzz_shrink_seconds=90, pressure_configs="widest"),
+                    fuzz_shrink_seconds=90, pressure_configs="widest", drawn_shapes=3),
     "full": Profile("full", "default", 64, (512, 1024, 2048), fuzz_examples=100,
-                    fuzz_shrink_seconds=300, pressure_configs="all"),
+                    fuzz_shrink_seconds=300, pressure_configs="all", drawn_shapes=6),
 }

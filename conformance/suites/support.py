@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Literal
 
 import pytest
 
-from conformance.checks.oracle import NEAR_TIE_EPSILON
+from conformance.checks.calibration import near_tie_allowance
+from conformance.checks.oracle import Divergence
 from conformance.contract import SamplingParams, SpecConfig, effective_page_size
 from conformance.run.driver import Driver, Outcome, backend_call, step_budget
 from conformance.run.plugin import SuiteContext, context
 from conformance.run.pressure import widest_config
-from conformance.run.requests import BOUNDARY_LEAD, context_limit, requests_across
+from conformance.run.requests import (
+    BOUNDARY_LEAD,
+    context_lengths,
+    context_limit,
+    requests_across,
+)
 from conformance.run.requests import greedy as greedy  # the tiers' spelling: support.greedy
 from conformance.run.specs import config_id
 from refengine.data import fixture_names
@@ -25,9 +31,6 @@ from refengine.data import fixture_names
 PAGE_SIZES = [1, pytest.param(4, marks=pytest.mark.specgate_requires("memory_view"))]
 
 LONG_PREFILL_CHUNK = 96  # max_prefill_tokens for long requests: some chunk straddles each boundary
-# The longest context limit ``reach_limit`` runs a request to (a model with a longer one would
-# prefill its whole context; the full profile's boundaries stop there too).
-REACH_LIMIT_MAX = 2048
 
 KEY_WIDTH_PAST = 4  # tokens a graphed check's request decodes past a boundary
 GRAPH_CHECK_EXECUTOR = "replay"  # no compile time, and the same key selection as compiled
@@ -36,14 +39,11 @@ GRAPH_CHECK_EXECUTOR = "replay"  # no compile time, and the same key selection a
 def parametrize_context_boundaries(metafunc: pytest.Metafunc, reach_limit: bool = False
                                    ) -> None:
     """For a suite module's ``pytest_generate_tests``: one case per context length of the
-    profile (``boundary`` argument) the model can reach; those at or past its context limit
-    collapse into one case at the limit. ``reach_limit``: a case at the limit whatever the
-    profile's lengths, for a limit up to ``REACH_LIMIT_MAX``."""
+    profile (``boundary`` argument) the model can reach (``context_lengths``: ``reach_limit``,
+    a case at the limit whatever the profile's lengths)."""
     if "boundary" in metafunc.fixturenames:
         sg = context(metafunc.config)
-        limit = context_limit(sg.model)
-        lengths = sorted({min(b, limit) for b in sg.profile.context_boundaries}
-                         | ({limit} if reach_limit and limit <= REACH_LIMIT_MAX else set()))
+        lengths = context_lengths(sg.model, sg.profile.context_boundaries, reach_limit)
         metafunc.parametrize("boundary", lengths, ids=[f"ctx{n}" for n in lengths])
 
 
@@ -156,21 +156,55 @@ def run_all(driver: Driver, requests: dict[str, tuple[list[int], SamplingParams]
     return driver.run(step_budget(list(requests.values())))
 
 
+def near_tie_epsilon(sg: SuiteContext) -> float:
+    """The near-tie bound for the backend's declared precision (``near_tie_allowance``: a
+    reduced precision's is calibrated on the reference itself, once per process)."""
+    return near_tie_allowance(sg.model, sg.caps.precision, sg.profile)
+
+
+def _divergences(sg: SuiteContext, outputs: Mapping[str, Sequence[int]],
+                 requests: dict[str, tuple[list[int], SamplingParams]]
+                 ) -> dict[str, Divergence]:
+    """Each request whose output differs from the reference's greedy output, with its first
+    divergence; those at a near-tie for the backend's declared precision (``near_tie_epsilon``,
+    asked only when something differs) are listed in the check's ``near_ties`` property as
+    ``<rid>@<output index> margin=<reference top-2 margin>``. How many tokens were compared
+    equal before each comparison ended goes to the ``tokens_compared`` property:
+    ``<compared>/<the reference's tokens>, fewest <compared>/<its tokens>`` per call."""
+    found = {rid: sg.oracle.divergence(tuple(prompt), params, list(outputs[rid]), 0.0)
+             for rid, (prompt, params) in requests.items()}
+    differ = {rid: d for rid, d in found.items() if d is not None}
+    if differ:
+        epsilon = near_tie_epsilon(sg)
+        differ = {rid: replace(d, epsilon=epsilon) for rid, d in differ.items()}
+    ties = [f"{rid}@{d.index} margin={d.margin:.3g}" for rid, d in differ.items() if d.near_tie]
+    if ties:
+        sg.extend_property("near_ties", ties)
+    counts = [(differ[rid].index if rid in differ else len(outputs[rid]),
+               len(sg.oracle.greedy(tuple(prompt), params)))
+              for rid, (prompt, params) in requests.items()]
+    if counts:
+        fewest = min(counts, key=lambda c: (c[0] / max(c[1], 1), c[0]))
+        sg.extend_property("tokens_compared", [
+            f"{sum(c for c, _ in counts)}/{sum(t for _, t in counts)}, "
+            f"fewest {fewest[0]}/{fewest[1]}"])
+    return differ
+
+
+def near_tied(sg: SuiteContext, outputs: Mapping[str, Sequence[int]],
+              requests: dict[str, tuple[list[int], SamplingParams]]) -> set[str]:
+    """The requests whose output first differs from the reference's greedy output at a
+    near-tie (listed as ``assert_matches_oracle`` lists them): past it the continuation
+    legitimately differs, so a check that expects exact tokens (a stop, an abort's prefix)
+    has nothing of that request to compare. Any other difference is left to the caller."""
+    return {rid for rid, d in _divergences(sg, outputs, requests).items() if d.near_tie}
+
+
 def assert_matches_oracle(sg: SuiteContext, outcomes: dict[str, Outcome],
                           requests: dict[str, tuple[list[int], SamplingParams]]) -> None:
     """Every output equals the reference's greedy output, token for token, up to its first
-    difference; a difference at a near-tie for the backend's declared precision
-    (``conformance.checks.oracle``) is listed in the check's ``near_ties`` property as
-    ``<rid>@<output index> margin=<reference top-2 margin>`` and ends that request's
-    comparison (its continuation legitimately differs); any other difference fails."""
-    epsilon = NEAR_TIE_EPSILON[sg.caps.precision]
-    bad, ties = [], []
-    for rid, (prompt, params) in requests.items():
-        found = sg.oracle.divergence(tuple(prompt), params, outcomes[rid].output_ids, epsilon)
-        if found is not None and found.near_tie:
-            ties.append(f"{rid}@{found.index} margin={found.margin:.3g}")
-        elif found is not None:
-            bad.append(f"{rid}: {found.describe()}")
-    if ties:
-        sg.extend_property("near_ties", ties)
+    difference; a difference at a near-tie (``near_tied``) ends that request's comparison (its
+    continuation legitimately differs); any other difference fails."""
+    found = _divergences(sg, {rid: outcomes[rid].output_ids for rid in requests}, requests)
+    bad = [f"{rid}: {d.describe()}" for rid, d in found.items() if not d.near_tie]
     assert not bad, f"{len(bad)}/{len(requests)} outputs differ from the reference: {bad[:5]}"

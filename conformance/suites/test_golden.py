@@ -4,15 +4,23 @@ algorithm on the fixture weights (``reference_draft``) and report per-verify cou
 exactly up to each request's first fragile position; mean tau must stay within
 ``golden.TAU_RTOL``. A draft that got worse is still lossless — this is the tier that notices.
 
-Three traces per configuration (``checks/golden_scenarios.py``): the golden set in one batch
+Four traces per configuration (``checks/golden_scenarios.py``): the golden set in one batch
 (every request; ``full`` for the trace's whole length, ``gate`` for its first ``GATE_TOKENS``
 tokens: the runs are greedy and batched, so 40 requests cost little more than a few run one at
 a time); its long prompts under chunked prefill (backends that honour ``max_prefill_tokens``:
-``chunked_prefill``), where a drafter that follows only a prompt's last chunk accepts less; and
+``chunked_prefill``), where a drafter that follows only a prompt's last chunk accepts less;
 two-turn sessions (``stepwise``, ``sessions``), where a drafter that loses the inherited
-context accepts less on the second turn. The last two are short and run whole; in ``gate`` on
-the spec's first configuration only (what they check, the drafter's prefill and the KV a
-session keeps, does not depend on the draft's shape), in ``full`` on every one.
+context accepts less on the second turn; and a batch under forced retraction
+(``forced_retract``; sequential configurations: under overlap scheduling a step's result lands
+a step late, so the hook's decode-step count retracts other requests than the trace's), where
+a drafter that does not go on from a re-prefilled context accepts less after each retraction
+(the backend must retract the requests the trace did). The last three are short and run
+whole; in ``gate`` on the spec's first configuration only (what they check, the drafter's
+prefill, the KV a session keeps and a re-prefill, does not depend on the draft's shape), in
+``full`` on every one.
+
+A failing check's repro file carries the accept lengths of the steps compared exactly, so
+``specgate repro`` replays the acceptance failure, not only the outputs.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from conformance.checks import golden
 from conformance.checks.golden_scenarios import (
     CHUNKED,
     PLAIN,
+    RETRACTED,
     SESSION_TURNS,
     Scenario,
     sessions_of,
@@ -32,7 +41,7 @@ from conformance.checks.golden_scenarios import (
 )
 from conformance.contract import SpecConfig
 from conformance.report.certified import accept_histogram
-from conformance.run.driver import Outcome, step_budget
+from conformance.run.driver import Driver, step_budget
 from conformance.run.plugin import SuiteContext
 from conformance.suites.support import greedy, open_driver, parametrize_spec_configs
 
@@ -43,7 +52,8 @@ GATE_TOKENS = 64  # of the trace's 128 per request: every request, half the leng
 
 Record = Callable[[str, object], None]
 FIRST_CONFIG_IN_GATE = ("test_chunked_acceptance_matches_golden",
-                        "test_session_acceptance_matches_golden")
+                        "test_session_acceptance_matches_golden",
+                        "test_retraction_acceptance_matches_golden")
 
 
 def _first_in_gate(sg: SuiteContext) -> tuple[SpecConfig | None, ...]:
@@ -62,12 +72,15 @@ def _trace(spec_config: SpecConfig | None, scenario: Scenario) -> golden.GoldenT
 
 
 def _run(sg: SuiteContext, spec_config: SpecConfig, trace: golden.GoldenTrace, tokens: int
-         ) -> dict[str, Outcome]:
+         ) -> Driver:
     """The trace's requests, greedy for ``tokens`` each, in its waves (sessions opened first
-    and closed after), under its prefill budget."""
+    and closed after), under its prefill budget and forced-retraction hook. A failing check's
+    repro holds the accept lengths the comparison wants."""
     params = greedy(tokens)
-    limits = {} if trace.max_prefill_tokens is None else {
-        "max_prefill_tokens": trace.max_prefill_tokens}
+    limits = {name: value for name, value in (("max_prefill_tokens", trace.max_prefill_tokens),
+                                              ("retract_every", trace.retract_every))
+              if value is not None}
+    sg.recorded.expect_acceptance(golden.expected_acceptance(trace, tokens))
     sessions = sessions_of(trace.requests)
     with open_driver(sg, spec_config, max_running_requests=max(64, len(trace.requests)),
                      kv_pool_tokens=65536, **limits) as driver:
@@ -79,13 +92,14 @@ def _run(sg: SuiteContext, spec_config: SpecConfig, trace: golden.GoldenTrace, t
             driver.run(step_budget([(r.prompt_ids, params) for r in wave]))
         for session in sessions:
             driver.close_session(session)
-    return driver.outcomes
+    return driver
 
 
-def _compare(trace: golden.GoldenTrace, outcomes: dict[str, Outcome], spec_config: SpecConfig
-             ) -> list[str]:
+def _compare(trace: golden.GoldenTrace, driver: Driver, spec_config: SpecConfig) -> list[str]:
+    outcomes = driver.outcomes
     return golden.compare(trace, {k: o.output_ids for k, o in outcomes.items()},
-                          {k: o.accept_lens for k, o in outcomes.items()}, spec_config.num_steps)
+                          {k: o.accept_lens for k, o in outcomes.items()}, spec_config.num_steps,
+                          driver.retracted)
 
 
 def test_acceptance_matches_golden(sg: SuiteContext, spec_config: SpecConfig | None,
@@ -94,8 +108,9 @@ def test_acceptance_matches_golden(sg: SuiteContext, spec_config: SpecConfig | N
     assert spec_config is not None
     recorded = int(trace.sampling["max_new_tokens"])
     tokens = recorded if sg.profile.name == "full" else min(GATE_TOKENS, recorded)
-    outcomes = _run(sg, spec_config, trace, tokens)
-    problems = _compare(trace, outcomes, spec_config)
+    driver = _run(sg, spec_config, trace, tokens)
+    outcomes = driver.outcomes
+    problems = _compare(trace, driver, spec_config)
 
     def run_steps(lens: list[int]) -> list[int]:
         """The verify steps that end before this run's last token: the step that reaches it
@@ -123,11 +138,13 @@ def _check_whole(sg: SuiteContext, spec_config: SpecConfig | None, scenario: Sce
     ``golden_trace_tau`` (the certificate's golden τ and histograms stay the plain trace's)."""
     trace = _trace(spec_config, scenario)
     assert spec_config is not None
-    outcomes = _run(sg, spec_config, trace, int(trace.sampling["max_new_tokens"]))
-    problems = _compare(trace, outcomes, spec_config)
-    record_property("trace_tau", golden.summarize([o.accept_lens for o in outcomes.values()],
-                                            spec_config.num_steps)["mean_tau"])
+    driver = _run(sg, spec_config, trace, int(trace.sampling["max_new_tokens"]))
+    problems = _compare(trace, driver, spec_config)
+    record_property("trace_tau", golden.summarize(
+        [o.accept_lens for o in driver.outcomes.values()], spec_config.num_steps)["mean_tau"])
     record_property("golden_trace_tau", trace.summary["mean_tau"])
+    if trace.retract_every is not None:
+        record_property("retractions", driver.retractions)
     assert not problems, f"{len(problems)} golden mismatches: {problems[:5]}"
 
 
@@ -141,3 +158,13 @@ def test_chunked_acceptance_matches_golden(sg: SuiteContext, spec_config: SpecCo
 def test_session_acceptance_matches_golden(sg: SuiteContext, spec_config: SpecConfig | None,
                                            record_property: Record) -> None:
     _check_whole(sg, spec_config, SESSION_TURNS, record_property)
+
+
+@pytest.mark.specgate_requires("forced_retract")
+def test_retraction_acceptance_matches_golden(sg: SuiteContext, spec_config: SpecConfig | None,
+                                              record_property: Record) -> None:
+    if spec_config is not None and spec_config.overlap:
+        pytest.skip("not applicable: under overlap scheduling a step's result is applied a step "
+                    "late, so the forced-retraction hook retracts other requests, at other "
+                    "points, than the sequential trace recorded")
+    _check_whole(sg, spec_config, RETRACTED, record_property)

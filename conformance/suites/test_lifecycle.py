@@ -1,11 +1,17 @@
 """Tier lifecycle: request edges that crash or leak in real engines — tiny outputs, a stop at
 the first token, abort in every phase, arrivals after everything finished, idle to busy; and,
 under overlap scheduling, a request that finishes, is aborted or is retracted while a launched
-step of it is still unresolved (that step's result is stale and must change nothing)."""
+step of it is still unresolved (that step's result is stale and must change nothing).
+
+Where a check expects exact tokens (a stop placed on the reference's output, the tokens an
+aborted request streamed), a request whose output first differs from the reference's at a
+near-tie for the backend's declared precision is listed in ``near_ties`` and not compared
+further, as in the lossless tier: its continuation legitimately differs, and a stop placed on
+the reference's output need not come."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 
@@ -15,6 +21,7 @@ from conformance.suites.support import (
     assert_matches_oracle,
     greedy,
     model_property,
+    near_tied,
     open_driver,
     run_all,
 )
@@ -24,6 +31,20 @@ pytestmark = pytest.mark.specgate_tier("lifecycle")
 
 def _longest(sg: SuiteContext) -> list[int]:
     return list(max(sg.prompts, key=lambda c: len(c.ids)).ids)
+
+
+def _stops_to_compare(sg: SuiteContext, prompt: list[int], outcomes: Mapping[str, Outcome],
+                      ends: Mapping[str, int]) -> list[str]:
+    """Of the requests (rid -> the tokens the reference emits up to its placed stop), those
+    whose stop can be compared: not those whose output first differs from the reference's at
+    a near-tie before that end (``near_tied``, listed): they continue another prefix. Not
+    applicable (skipped, saying why) when that leaves none."""
+    tied = near_tied(sg, {rid: outcomes[rid].output_ids for rid in ends},
+                     {rid: (prompt, greedy(n)) for rid, n in ends.items()})
+    if len(tied) == len(ends):
+        pytest.skip(f"not applicable: each of the {len(ends)} request(s) left the reference's "
+                    f"output at a near-tie before its stop (listed in near_ties)")
+    return [rid for rid in ends if rid not in tied]
 
 
 def _assert_phase(driver: Driver, phase: str) -> None:
@@ -60,8 +81,10 @@ def test_stop_at_first_token(sg: SuiteContext) -> None:
     prompt = list(sg.prompts[0].ids)
     first = sg.oracle.greedy(tuple(prompt), greedy(1))[0]
     with open_driver(sg) as driver:
-        outcome = run_all(driver, {"r": (prompt, greedy(16, stop_token_ids=(first,)))})["r"]
-    assert outcome.output_ids == [first] and outcome.reason == "stop", outcome
+        outcomes = run_all(driver, {"r": (prompt, greedy(16, stop_token_ids=(first,)))})
+    for rid in _stops_to_compare(sg, prompt, outcomes, {"r": 1}):
+        assert outcomes[rid].output_ids == [first] and outcomes[rid].reason == "stop", (
+            outcomes[rid])
 
 
 def test_new_arrivals_after_everything_finished(sg: SuiteContext) -> None:
@@ -99,11 +122,40 @@ def test_stop_token_at_every_offset(sg: SuiteContext) -> None:
                    "place stops at")
     with open_driver(sg) as driver:
         outcomes = run_all(driver, requests)
-    for rid in requests:
-        i = int(rid.rsplit("-", 1)[1])
+    ends = {rid: int(rid.rsplit("-", 1)[1]) + 1 for rid in requests}
+    for rid in _stops_to_compare(sg, prompt, outcomes, ends):
+        n, o = ends[rid], outcomes[rid]
+        assert o.output_ids == want[:n] and o.reason == "stop", (
+            f"{rid}: got {len(o.output_ids)} tokens ({o.reason}), expected {n} (stop)")
+
+
+def _string_offsets(sg: SuiteContext, want: list[int]) -> Iterator[tuple[int, str, str]]:
+    """``(i, before, text)`` for the first output indices i whose token adds whole characters
+    of its own after a non-empty text: ``before`` decodes ``want[:i]``, ``text``
+    ``want[:i + 1]``. A stop string ending in token i's characters completes at i."""
+    for i in range(1, 17):
+        before, text = sg.oracle.decode(want[:i]), sg.oracle.decode(want[:i + 1])
+        if before and text.startswith(before) and len(text) > len(before):
+            yield i, before, text
+
+
+def _assert_stop_strings(sg: SuiteContext, prompt: list[int], want: list[int],
+                         stops: dict[str, tuple[int, tuple[str, ...]]]) -> None:
+    """Run each request (its rid -> the output index its stop strings complete at, the
+    strings): each ends at that index's token, reason ``stop``, with the reference's finish
+    text (cut before the earliest stop string in it); nothing after it is emitted."""
+    requests = {rid: (prompt, greedy(24, stop=strings)) for rid, (_, strings) in stops.items()}
+    with open_driver(sg) as driver:
+        outcomes = run_all(driver, requests)
+    for rid in _stops_to_compare(sg, prompt, outcomes,
+                                 {rid: i + 1 for rid, (i, _) in stops.items()}):
+        i, strings = stops[rid]
+        ids, text = want[:i + 1], sg.oracle.finish_text(want[:i + 1], strings)
         o = outcomes[rid]
-        assert o.output_ids == want[:i + 1] and o.reason == "stop", (
-            f"{rid}: got {len(o.output_ids)} tokens ({o.reason}), expected {i + 1} (stop)")
+        assert (o.output_ids, o.reason, o.text) == (ids, "stop", text), (
+            f"{rid} (stop strings {strings!r}): got {len(o.output_ids)} tokens ({o.reason}) and "
+            f"text ending {o.text[-12:]!r}; expected {len(ids)} tokens (stop) and text ending "
+            f"{text[-12:]!r}")
 
 
 def test_stop_string_at_every_offset(sg: SuiteContext) -> None:
@@ -113,25 +165,37 @@ def test_stop_string_at_every_offset(sg: SuiteContext) -> None:
     before the string; nothing after it is emitted."""
     prompt = list(sg.prompts[0].ids)
     want = sg.oracle.greedy(tuple(prompt), greedy(24))
-    requests, expected = {}, {}
-    for i in range(1, 17):
-        before, text = sg.oracle.decode(want[:i]), sg.oracle.decode(want[:i + 1])
-        if not text.startswith(before) or len(text) == len(before) or not before:
-            continue  # token i adds no whole characters of its own
+    stops = {}
+    for i, before, text in _string_offsets(sg, want):
         stop = text[len(before) - 1:]  # the last character before token i, then token i's
-        if stop in before:
-            continue  # it would complete earlier
-        requests[f"stop-at-{i}"] = (prompt, greedy(24, stop=(stop,)))
-        expected[f"stop-at-{i}"] = (want[:i + 1], text[:text.find(stop)])
-    model_property(sg, len(requests) >= 4,
+        if stop not in before:  # else it would complete earlier
+            stops[f"stop-at-{i}"] = (i, (stop,))
+    model_property(sg, len(stops) >= 4,
                    "the first prompt's greedy output gives too few offsets to place stop strings")
-    with open_driver(sg) as driver:
-        outcomes = run_all(driver, requests)
-    for rid, (ids, text) in expected.items():
-        o = outcomes[rid]
-        assert (o.output_ids, o.reason, o.text) == (ids, "stop", text), (
-            f"{rid}: got {len(o.output_ids)} tokens ({o.reason}) and text ending "
-            f"{o.text[-12:]!r}; expected {len(ids)} tokens (stop) and text ending {text[-12:]!r}")
+    _assert_stop_strings(sg, prompt, want, stops)
+
+
+def test_earliest_of_several_stop_strings(sg: SuiteContext) -> None:
+    """Several stop strings at each of the first output tokens: the text that token i would
+    add next (listed first, never reached), the last character before token i and token i's
+    (listed second), and the last two characters before it and token i's (listed last). The
+    last two complete together at token i; the finish text is cut before the one that starts
+    earliest in it, the last listed, not before the first listed that occurs."""
+    prompt = list(sg.prompts[0].ids)
+    want = sg.oracle.greedy(tuple(prompt), greedy(24))
+    stops = {}
+    for i, before, text in _string_offsets(sg, want):
+        near, far = text[len(before) - 1:], text[len(before) - 2:]
+        after = sg.oracle.decode(want[:i + 2])
+        unreached = after[len(text):] if after.startswith(text) else ""
+        strings = (unreached, near, far) if unreached and unreached not in text else (near, far)
+        if (len(before) >= 2 and near not in before  # far holds near: neither completes earlier
+                and text.find(far) < text.find(near)):  # the earliest is not the first listed
+            stops[f"stops-at-{i}"] = (i, strings)
+    model_property(sg, len(stops) >= 4,
+                   "the first prompt's greedy output gives too few offsets to place several "
+                   "stop strings at")
+    _assert_stop_strings(sg, prompt, want, stops)
 
 
 @pytest.mark.specgate_requires("stepwise", "forced_retract")
@@ -143,6 +207,35 @@ def test_retract_middle_request(sg: SuiteContext) -> None:
         assert driver.retractions > 0, (
             f"retract_every=2 retracted nothing in {driver.steps} steps: the backend claims "
             "forced_retract, and this case checked no resumption")
+    assert_matches_oracle(sg, outcomes, requests)
+
+
+@pytest.mark.specgate_requires("stepwise", "forced_retract")
+def test_retract_the_only_request(sg: SuiteContext) -> None:
+    """A lone decoding request is retracted (every 2nd step): a step that retracts every
+    decoding request still reports it (R1, with a memory view: its KV went), and the request
+    resumes exactly."""
+    requests = {"lone": (list(sg.prompts[0].ids), greedy(12))}
+    with open_driver(sg, retract_every=2) as driver:
+        outcomes = run_all(driver, requests)
+        assert driver.retracted["lone"] > 0, (
+            f"retract_every=2 reported no retraction of the only request in {driver.steps} "
+            "steps: the backend claims forced_retract, so a retraction of every decoding "
+            "request went unreported")
+    assert_matches_oracle(sg, outcomes, requests)
+
+
+@pytest.mark.specgate_requires("stepwise", "forced_retract", "memory_view")
+def test_retracted_request_is_not_overtaken(sg: SuiteContext) -> None:
+    """Three requests fill the three running slots and a fourth, submitted after them, waits;
+    the middle one is retracted (every 2nd step) and must be re-admitted before the fourth is
+    admitted (R2, checked after every step). Requires: memory_view (it shows admission)."""
+    requests = {f"r{i}": (list(c.ids), greedy(16)) for i, c in enumerate(sg.prompts[:4])}
+    with open_driver(sg, max_running_requests=3, retract_every=2) as driver:
+        outcomes = run_all(driver, requests)
+        assert driver.retraction.contested > 0, (
+            f"in {driver.steps} steps no request was retracted while one submitted after it "
+            f"waited (retractions: {dict(driver.retracted)}): the case checked no overtaking")
     assert_matches_oracle(sg, outcomes, requests)
 
 
@@ -195,7 +288,9 @@ def test_abort(sg: SuiteContext, phase: str) -> None:
         f"{len(outcomes['victim'].output_ids)} tokens")
     streamed = driver.streamed["victim"]
     want = sg.oracle.greedy(tuple(victim), greedy(24))
-    assert streamed == want[:len(streamed)], "tokens streamed before the abort were wrong"
+    assert (streamed == want[:len(streamed)] or "victim" in near_tied(
+        sg, {"victim": streamed}, {"victim": (victim, greedy(len(streamed)))})), (
+        "tokens streamed before the abort were wrong")
     assert_matches_oracle(sg, outcomes, bystander)
 
 

@@ -1,11 +1,15 @@
 """Tier lossless: the backend's greedy output equals the reference engine's plain greedy
 output, token for token — for every configuration of the spec, page size, batch composition,
-retraction schedule and context length past the profile's boundaries (512, 1024, 2048).
+retraction schedule and context length past the profile's boundaries (512, 1024, 2048), and, in
+every profile, up to the model's context limit (a limit up to ``requests.REACH_LIMIT_MAX``): the
+one check near the limit that every backend runs, whatever it claims.
 
-A first difference where the reference's own top-2 logit margin is below the near-tie epsilon
-of the backend's declared precision (``Capabilities.precision``) is a near-tie: listed in the
-check's ``near_ties`` property, not a failure, and nothing after it is compared for that
-request (its continuation legitimately differs). Any other difference fails.
+A first difference where the reference's own top-2 logit margin is below the near-tie bound
+of the backend's declared precision (``Capabilities.precision``; ``support.near_tie_epsilon``:
+calibrated on the reference for bfloat16 and float16) is a near-tie: listed in the check's
+``near_ties`` property, not a failure, and nothing after it is compared for that request (its
+continuation legitimately differs). Any other difference fails. How many tokens each
+comparison covered is its ``tokens_compared`` figure.
 
 Every check also requires the spec's algorithm (``algorithm:<name>``); further requirements
 are in each check's docstring.
@@ -17,7 +21,9 @@ import pytest
 
 from conformance.checks.ngram_drafts import determined_steps, violations
 from conformance.contract import SamplingParams, SpecConfig
-from conformance.run.plugin import SuiteContext
+from conformance.run.plugin import SuiteContext, context
+from conformance.run.shapes import drawn_configs
+from conformance.run.specs import config_id
 from conformance.suites.support import (
     LONG_PREFILL_CHUNK,
     PAGE_SIZES,
@@ -40,7 +46,11 @@ BATCH = 16
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     parametrize_spec_configs(metafunc)
-    parametrize_context_boundaries(metafunc)
+    parametrize_context_boundaries(metafunc, reach_limit=True)
+    if "drawn_config" in metafunc.fixturenames:
+        sg = context(metafunc.config)
+        drawn = drawn_configs(sg.spec, sg.profile.drawn_shapes) or (None,)
+        metafunc.parametrize("drawn_config", drawn, ids=[config_id(c) for c in drawn])
 
 
 def _batch(sg: SuiteContext, size: int) -> dict[str, tuple[list[int], SamplingParams]]:
@@ -105,16 +115,17 @@ def test_past_context_boundary(sg: SuiteContext, spec_config: SpecConfig | None,
                                retract_every: int, record_property) -> None:
     """Contexts crossing ``boundary`` tokens (where engines size internal buffers): one request
     speculates across it, one prefills across it in chunks; with retraction both re-prefill
-    across it. At the model's context limit, a request must end there by length.
-    Requires: retract: forced_retract."""
+    across it. At the model's context limit (in every profile), a request must end there by
+    length. Requires: retract: forced_retract."""
     requests = long_context_requests(sg, boundary)
     with open_driver(sg, spec_config, max_prefill_tokens=LONG_PREFILL_CHUNK,
                      retract_every=retract_every) as driver:
         outcomes = run_all(driver, requests)
         record_property("retractions", driver.retractions)
-        assert not retract_every or driver.retractions > 0, "the forced-retract hook never fired"
     assert_matches_oracle(sg, outcomes, requests)
     assert_length_limited(sg, outcomes, requests)
+    # after the outputs: a request that ends too soon is that failure, not a hook that never fired
+    assert not retract_every or driver.retractions > 0, "the forced-retract hook never fired"
 
 
 @pytest.mark.specgate_requires("graph_runner")
@@ -160,3 +171,19 @@ def test_ngram_steps_accept_what_every_lookup_proposes(sg: SuiteContext,
     assert not bad, (f"{len(bad)} of {determined} determined verify steps emitted what no "
                      f"correct verify of the drafts every prompt-lookup drafter proposes "
                      f"could: {bad[:5]}")
+
+
+def test_drawn_shape_matches_reference(sg: SuiteContext, drawn_config: SpecConfig | None
+                                       ) -> None:
+    """A legal speculative shape of the spec's algorithm beyond its named configurations,
+    drawn (``conformance.run.shapes``: for a spec with trees a tree of N = S + 1 nodes, one of
+    N = S·k and a chain first; the profile says how many): a batch's greedy outputs equal the
+    reference's, so a rule keyed on a shape no named configuration has is seen. Requires
+    nothing more; plain decoding: not applicable."""
+    if drawn_config is None:
+        pytest.skip("not applicable: plain decoding has no speculative shape to draw")
+    requests = _batch(sg, BATCH)
+    with open_driver(sg, drawn_config) as driver:
+        outcomes = run_all(driver, requests)
+    assert_matches_oracle(sg, outcomes, requests)
+    assert_length_limited(sg, outcomes, requests)

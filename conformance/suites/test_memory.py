@@ -1,8 +1,9 @@
-"""Tier memory: M1-M5 after every step under a load mix with staggered arrivals, aborts and a
-KV pool small enough to put the backend under pressure (it retracts, or it queues requests the
-pool cannot hold: ``conformance.run.pressure``), with short prompts, with contexts past the
+"""Tier memory: M1-M5 and the retraction rules R1-R2 (``conformance.checks.retraction``) after
+every step under a load mix with staggered arrivals, aborts and a KV pool small enough to put
+the backend under pressure (it retracts, or it queues requests the pool cannot hold:
+``conformance.run.pressure``), with short prompts, with contexts past the
 profile's boundaries and, in every profile, with a request that runs to the model's context
-limit (a limit up to ``support.REACH_LIMIT_MAX``); outputs stay exactly the reference's
+limit (a limit up to ``requests.REACH_LIMIT_MAX``); outputs stay exactly the reference's
 (near-ties aside, as in the lossless tier). Each check opens every configuration of the spec,
 or under the gate the one with the largest per-step KV need.
 
@@ -97,10 +98,9 @@ def _load_mix(sg: SuiteContext, spec: SpecConfig | None, requests: Requests, rng
             f"a {pool}-token pool for {len(requests)} requests needing {sum(need.values())} "
             f"tokens forced no retraction in {driver.steps} steps, and no request waited that "
             "the free pool could not hold: nothing was checked under pressure")
+    # a finish 'abort' is one the check asked for (the driver fails any other)
     survivors = {rid: r for rid, r in requests.items()
                  if driver.outcomes[rid].reason != "abort"}
-    aborted = [rid for rid, o in driver.outcomes.items() if o.reason == "abort"]
-    assert not set(aborted) - doomed, f"requests finished as aborted unasked: {aborted}"
     assert_matches_oracle(sg, driver.outcomes, survivors)
     return driver.outcomes
 
@@ -129,8 +129,7 @@ def test_invariants_past_context_boundary(sg: SuiteContext, spec_config: SpecCon
     """The long requests of the lossless tier (across ``boundary`` while decoding and inside a
     chunked prompt, or up to the context limit, where it must end by length) with a few short
     ones, in pages of 4, in a pool that puts them under pressure (retracted, they re-prefill
-    across the boundary). The gate's only request near the context limit is here. Requires
-    nothing more."""
+    across the boundary). Requires nothing more."""
     rng = random.Random(boundary)
     short = list(_short_mix(sg, rng).items())[:4]
     requests = {**long_context_requests(sg, boundary), **dict(short)}

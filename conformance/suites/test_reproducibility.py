@@ -19,9 +19,12 @@ procedure, or plainly by a prefill); a retraction's re-prefill moves them, so th
 is an equally distributed but different one. That case is checked under plain decoding only.
 
 Chance collisions: two honest streams coincide with probability ``sum_s p(s)^2``, the mean of
-``p(s)`` over streams drawn from ``p``. The different-streams checks estimate it from their own
-streams (exact per-token probabilities from the reference oracle) and require it below
-``MAX_COLLISION`` before reading anything into a coincidence.
+``p(s)`` over streams drawn from ``p``. The different-streams checks estimate it from streams the
+reference oracle draws from its own exact per-token law at the requested temperature
+(``conformance.checks.collisions``), never from the backend's streams (a backend that ignores
+temperature and seed would make the likeliest stream look like the model's fault), and require
+it below ``MAX_COLLISION`` before reading anything into a coincidence; the estimate is the
+check's ``collision_chance`` figure.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from itertools import combinations
 
 import pytest
 
+from conformance.checks.collisions import collision_probability
 from conformance.contract import SamplingParams
 from conformance.run.driver import Outcome
 from conformance.run.plugin import SuiteContext
@@ -77,7 +81,8 @@ def _first_difference(got: list[int], want: list[int]) -> int:
 def _assert_pairwise_different(sg: SuiteContext, prompt: list[int], requests: Requests,
                                outcomes: dict[str, Outcome], what: str) -> None:
     streams = {rid: outcomes[rid].output_ids for rid in requests}
-    collision = sum(_stream_probability(sg, prompt, s) for s in streams.values()) / len(streams)
+    collision = collision_probability(sg.oracle, tuple(prompt), sampled(None))
+    sg.extend_property("collision_chance", [f"{collision:.2g}"])
     model_property(sg, collision < MAX_COLLISION,
                    f"two honest streams of this prompt would coincide with probability "
                    f"~{collision:.2g} (below {MAX_COLLISION:g} needed): a coincidence would "
@@ -86,14 +91,6 @@ def _assert_pairwise_different(sg: SuiteContext, prompt: list[int], requests: Re
     assert not same, (
         f"{what}: {len(same)} of {len(streams) * (len(streams) - 1) // 2} pairs gave identical "
         f"{TOKENS}-token streams, e.g. {same[:3]} (chance of one such pair ~{collision:.2g})")
-
-
-def _stream_probability(sg: SuiteContext, prompt: list[int], stream: list[int]) -> float:
-    """``p(stream | prompt)`` under the sampling parameters, from the reference oracle."""
-    prob = 1.0
-    for i, token in enumerate(stream):
-        prob *= float(sg.oracle.next_token_probs(tuple(prompt + stream[:i]), sampled(None))[token])
-    return prob
 
 
 @pytest.mark.specgate_requires("seeded_sampling")

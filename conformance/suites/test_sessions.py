@@ -7,10 +7,12 @@ Checked for every turn: the inherited KV it reports is exactly its session's con
 final token (the driver's check, ``conformance/run/driver.py``), its greedy output equals the
 reference's over the whole context, M1-M3 after every step (the backend's own strict check
 too, for the reference engine), and after the last session is closed the whole pool is free
-(M5). An aborted turn rolls its session back: the next turn's context leaves it out. A turn
-that ends by a stop keeps its whole output in the context, the stop token included (and every
-token of a stop string, though the text is cut before it): the next turn's output shows
-whether the backend kept that context and its KV.
+(M5). An aborted turn rolls its session back: the next turn's context leaves it out; only the
+turn the suite aborts may end so (the driver fails any other finish 'abort': a turn given up
+under memory pressure instead of retracted looks like a clean rollback). A turn that ends by
+a stop keeps its whole output in the context, the stop token included (and every token of a
+stop string, though the text is cut before it): the next turn's output shows whether the
+backend kept that context and its KV.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from typing import Literal, TypeVar
 
 import pytest
 
-from conformance.checks.oracle import NEAR_TIE_EPSILON
 from conformance.contract import SamplingParams
 from conformance.run.driver import Driver
 from conformance.run.plugin import SuiteContext
@@ -30,6 +31,7 @@ from conformance.suites.support import (
     assert_matches_oracle,
     greedy,
     model_property,
+    near_tie_epsilon,
     open_driver,
 )
 from refengine.data import resolve_model_dir
@@ -288,7 +290,7 @@ def _assert_endings(sg: SuiteContext, driver: Driver, script: dict[str, list[Pla
     cached-token count against), its tokens, finish reason and, for a stop string, its text.
     A difference at a near-tie ends its session's comparison (listed in ``near_ties``): the
     rest of the session continues another context."""
-    epsilon = NEAR_TIE_EPSILON[sg.caps.precision]
+    epsilon = near_tie_epsilon(sg)
     bad, ties = [], []
     for turns in script.values():
         for turn in turns:

@@ -114,9 +114,10 @@ def test_all_finish_inside_verify_installs_idle_then_merges(sg: SuiteContext) ->
     assert_matches_oracle(sg, outcomes, later)
 
 
+@pytest.mark.specgate_requires("abort")
 def test_filter_to_zero_rows_then_new_arrivals(sg: SuiteContext) -> None:
     """Abort every decoding request: the draft state is filtered to zero rows; the engine
-    must then serve new arrivals."""
+    must then serve new arrivals. Requires: abort (how the rows are emptied)."""
     spec = _spec(sg)
     doomed = {f"{c.id}-x": (list(c.ids), greedy(30)) for c in sg.prompts[:3]}
     later = {f"{c.id}-y": (list(c.ids), greedy(6)) for c in sg.prompts[1:3]}

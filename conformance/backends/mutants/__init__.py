@@ -9,7 +9,8 @@ killed by some check: a suite that cannot kill its mutants has no teeth. Whereve
 named, a mutant is ``mutant:<name>``.
 
 These model bug classes from production engines (``docs/bug-classes.md``): leaked KV, leaked
-request rows, stale state after retraction, off-by-one length checks, dropped stop conditions,
+request rows, stale state after retraction, retractions unreported or re-queued behind later
+arrivals, off-by-one length checks, dropped stop conditions,
 ignored sampling seeds, batch-dependent attention, stale graph padding (a mutant that opens
 with the graph runner on, ``Mutant.graphs``), lossless draft-side regressions that only
 acceptance shows (the golden tier's per-step check; n-gram contexts missing tokens among
@@ -26,8 +27,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from conformance.backends.mutants.acceptance import DraftSkipsNonFinalChunks, SessionDropsDraftKV
-from conformance.backends.mutants.context_limit import EndsShortOfContextLimit
+from conformance.backends.mutants.acceptance import (
+    DraftAfterRetractFromPromptFeature,
+    DraftSkipsNonFinalChunks,
+    SessionDropsDraftKV,
+)
+from conformance.backends.mutants.context_limit import (
+    EndsFarShortOfContextLimit,
+    EndsShortOfContextLimit,
+)
 from conformance.backends.mutants.graph import (
     BonusTokensNotRestaged,
     ExtendPaddingNotRestaged,
@@ -40,6 +48,7 @@ from conformance.backends.mutants.lifecycle import (
     IgnoresStopTokenIds,
     MaxNewTokensOffByOne,
     SeedIgnored,
+    StopAtFirstListedString,
 )
 from conformance.backends.mutants.memory import (
     AbortLeaksRow,
@@ -54,13 +63,19 @@ from conformance.backends.mutants.overlap import (
     LateCommit,
     StaleResultApplied,
 )
+from conformance.backends.mutants.retraction import RetractRequeuedAtBack, RetractUnreported
 from conformance.backends.mutants.sampling import (
     BiasedVerifySampler,
+    IgnoresTemperatureAndSeed,
     VerifyIgnoresTopP,
     VerifyParamsFromPreviousRow,
     VerifyTemperatureMisapplied,
 )
-from conformance.backends.mutants.sessions import StopRunNotCompacted, StopTurnEndsWithEOS
+from conformance.backends.mutants.sessions import (
+    AbortsRetractedSessionTurns,
+    StopRunNotCompacted,
+    StopTurnEndsWithEOS,
+)
 from conformance.backends.mutants.speculative import (
     AllFinishLeavesVerifyInput,
     DraftCatchUpSkipped,
@@ -75,6 +90,7 @@ from conformance.backends.mutants.speculative import (
     StopStringAtRunEnd,
     TreeWrongParent,
 )
+from conformance.backends.mutants.tree_shape import TreeMaskWrongWhenNIsSPlus1
 from conformance.backends.refengine import RefEngineBackend, RefEngineHandle
 from conformance.contract import OpenConfig
 from refengine import Engine
@@ -106,10 +122,16 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            killed_by="test_lifecycle.py::test_abort_frees_the_only_running_slot"),
     Mutant("retract_stale_committed", RetractStaleCommitted,
            killed_by="test_lifecycle.py::test_retract_middle_request"),
+    Mutant("retract_requeued_at_back", RetractRequeuedAtBack,
+           killed_by="test_lifecycle.py::test_retracted_request_is_not_overtaken"),
+    Mutant("retract_unreported", RetractUnreported,
+           killed_by="test_lifecycle.py::test_retract_the_only_request"),
     Mutant("max_new_tokens_off_by_one", MaxNewTokensOffByOne,
            killed_by="test_lifecycle.py::test_max_new_tokens[1]"),
     Mutant("ignores_stop_token_ids", IgnoresStopTokenIds,
            killed_by="test_lifecycle.py::test_stop_at_first_token"),
+    Mutant("stop_at_first_listed_string", StopAtFirstListedString,
+           killed_by="test_lifecycle.py::test_earliest_of_several_stop_strings"),
     Mutant("batch_leaks_across_rows", BatchLeaksAcrossRows,
            killed_by="test_lossless.py::test_batch_of_mixed_lengths[plain-8]"),
     Mutant("biased_verify_sampler", BiasedVerifySampler,
@@ -167,6 +189,9 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("tree_wrong_parent", TreeWrongParent,
            spec="eagle-tree",
            killed_by="test_golden.py::test_acceptance_matches_golden[tree-s3-k4-n8]"),
+    Mutant("tree_mask_wrong_when_n_is_s_plus_1", TreeMaskWrongWhenNIsSPlus1,
+           spec="eagle-tree",
+           killed_by="test_lossless.py::test_drawn_shape_matches_reference[tree-s3-k2-n4]"),
     Mutant("draft_catch_up_skipped", DraftCatchUpSkipped,
            spec="draft-model",
            killed_by="test_golden.py::test_acceptance_matches_golden[draft-n4]"),
@@ -183,14 +208,23 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            killed_by="test_sessions.py::test_turns_ending_by_stop"),
     Mutant("stop_run_not_compacted", StopRunNotCompacted, spec="eagle-tree",
            killed_by="test_sessions.py::test_turns_ending_by_stop"),
+    Mutant("aborts_retracted_session_turns", AbortsRetractedSessionTurns,
+           killed_by="test_sessions.py::test_session_turns[retract-no-abort-1]"),
     Mutant("room_counts_verify_block_only", RoomCountsVerifyBlockOnly, spec="eagle-tree",
            killed_by="test_memory.py::test_invariants_under_pressure[tree-s5-k8-n16-1]"),
     Mutant("ends_short_of_context_limit", EndsShortOfContextLimit,
            killed_by="test_memory.py::test_invariants_past_context_boundary[plain-ctx2048]"),
+    Mutant("ends_far_short_of_context_limit", EndsFarShortOfContextLimit,
+           killed_by="test_lossless.py::test_past_context_boundary[plain-ctx2048-no-retract]"),
+    Mutant("ignores_temperature_and_seed", IgnoresTemperatureAndSeed,
+           killed_by="test_reproducibility.py::test_different_seeds_give_different_streams"),
     Mutant("draft_skips_non_final_chunks", DraftSkipsNonFinalChunks, spec="eagle",
            killed_by="test_golden.py::test_chunked_acceptance_matches_golden[chain-s3-n4]"),
     Mutant("session_drops_draft_kv", SessionDropsDraftKV, spec="eagle",
            killed_by="test_golden.py::test_session_acceptance_matches_golden[chain-s3-n4]"),
+    Mutant("draft_after_retract_from_prompt_feature", DraftAfterRetractFromPromptFeature,
+           spec="eagle",
+           killed_by="test_golden.py::test_retraction_acceptance_matches_golden[chain-s3-n4]"),
     Mutant("ngram_context_skips_bonus", NgramContextSkipsBonus, spec="ngram",
            killed_by="test_golden.py::test_acceptance_matches_golden[ngram-n4]"),
     Mutant("ngram_context_from_last_chunk", NgramContextFromLastChunk, spec="ngram",

@@ -1,7 +1,7 @@
 """Mutants only acceptance shows: a drafter that misses part of what the target saw. Each is
 lossless (the target's KV and verification are whole) and memory-neutral (every slot is
-allocated, counted and freed as before); the golden tier's chunked and session traces kill
-them, per verify step."""
+allocated, counted and freed as before); the golden tier's chunked, session and retraction
+traces kill them, per verify step."""
 
 from __future__ import annotations
 
@@ -51,3 +51,28 @@ class SessionDropsDraftKV(Engine):
     the inherited context: it drafts as if the conversation began with the turn's tokens."""
 
     kv_manager_class = _KeepsTargetKVOnly
+
+
+class _DraftFromPromptFeature(EagleDrafter):
+    def prefill(self, reqs: list[Req], lens: list[int], batch: ForwardBatch,
+                features: torch.Tensor, sampled: dict[str, int]) -> DraftInput:
+        features = features.clone()
+        offset = 0
+        for req, n in zip(reqs, lens, strict=True):
+            start = req.kv_committed_len
+            prompt_last = len(req.prompt_ids) - 1
+            if req.rid in sampled and req.output_ids and start <= prompt_last < start + n:
+                # BUG: the fill's last row is taken where the prompt ends, as on a first
+                # prefill; a re-prefill's fill goes on with the output so far.
+                features[offset + n - 1] = features[offset + prompt_last - start]
+            offset += n
+        return super().prefill(reqs, lens, batch, features, sampled)
+
+
+class DraftAfterRetractFromPromptFeature(Engine):
+    """Retraction, draft side: a retracted request re-prefills its prompt and its output so
+    far, and EAGLE's draft prefill takes the target's feature for the fill's last position
+    from where the prompt ends, so after every retraction the head drafts (and writes its KV
+    there) from the prompt's last feature instead of the re-prefilled context's."""
+
+    drafter_classes = with_drafter("eagle", _DraftFromPromptFeature)

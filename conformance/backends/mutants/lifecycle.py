@@ -1,5 +1,5 @@
-"""Mutants of the request lifecycle outside speculation: length and stop checks, the request
-seed, attention that sees across batch rows."""
+"""Mutants of the request lifecycle outside speculation: length and stop checks, the finish
+text's stop-string cut, the request seed, attention that sees across batch rows."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import replace
 import torch
 
 from refengine import Engine
+from refengine.events import Event, FinishEvent
 from refengine.model.attention import AttentionMetadata
 from refengine.output import OutputProcessor
 from refengine.request import FinishReason, Req
@@ -47,6 +48,28 @@ class IgnoresStopTokenIds(Engine):
     """``stop_token_ids`` is dropped on the way to the finish check (EOS still works)."""
 
     output_class = _DropsStopTokenIds
+
+
+class _CutsAtFirstListedString(OutputProcessor):
+    def finish(self, req: Req, reason: FinishReason, events: list[Event]) -> None:
+        super().finish(req, reason, events)
+        if reason != "stop" or not req.params.stop:
+            return
+        text = self.decode(req.output_ids)
+        # BUG: the first listed stop string that occurs, not the earliest one in the text
+        cut = next((i for i in (text.find(s) for s in req.params.stop) if i >= 0), None)
+        finished = events[-1]  # the reference's finish appends its FinishEvent last
+        assert isinstance(finished, FinishEvent)
+        if cut is not None:
+            events[-1] = replace(finished, text=text[:cut])
+
+
+class StopAtFirstListedString(Engine):
+    """The finish text is cut before the first listed stop string that occurs in it instead of
+    the earliest one in the text: where several complete at one token, too much text is
+    reported (the tokens and the finish are right)."""
+
+    output_class = _CutsAtFirstListedString
 
 
 class _DropsRequestSeed(Scheduler):

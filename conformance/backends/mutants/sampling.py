@@ -1,6 +1,7 @@
-"""Speculative-sampling mutants: a verifier whose rejection residual keeps the rejected drafts
-(the distribution tier's negative control), verify paths that misapply top-p or temperature,
-and one that hands each request's verify rows its batch neighbour's parameters."""
+"""Sampling mutants: a verifier whose rejection residual keeps the rejected drafts (the
+distribution tier's negative control), verify paths that misapply top-p or temperature, one
+that hands each request's verify rows its batch neighbour's parameters, and an engine that
+drops the sampling settings altogether (every request greedy)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from conformance.checks.distribution import DraftTree, draft_tree
 from conformance.contract import SamplingParams
 from refengine import Engine
 from refengine.request import Req
+from refengine.scheduler import Scheduler
 from refengine.speculative.accept import VerifyOutcome
 from refengine.speculative.core import SpeculativeWorker
 from refengine.speculative.inputs import VerifyInput
@@ -163,3 +165,21 @@ VERIFY_PARAM_BUGS: dict[str, Callable[[SamplingParams], SamplingParams]] = {
     "verify_ignores_top_p": drop_top_p,
     "verify_temperature_misapplied": drop_temperature,
 }
+
+
+# --- sampling settings dropped on the way in ---------------------------------------------------
+
+class _DropsSamplingSettings(Scheduler):
+    def add(self, req: Req) -> None:
+        # BUG: temperature, top-k and top-p never reach the sampler: the request decodes
+        # greedily, and its seed (given or derived) draws nothing
+        req.params = replace(req.params, temperature=0.0, top_k=-1, top_p=1.0)
+        super().add(req)
+
+
+class IgnoresTemperatureAndSeed(Engine):
+    """Sampling settings ignored: every request decodes greedily whatever its temperature,
+    top-k, top-p and seed say. Each run is reproducible and greedy output is untouched; sampled
+    requests with one prompt all give the same stream."""
+
+    scheduler_class = _DropsSamplingSettings

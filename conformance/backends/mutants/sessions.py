@@ -1,12 +1,15 @@
-"""Mutants of what a streaming session keeps from a turn that ended by a stop: every KV count
-stays right (M1-M5 and the inherited-KV count hold), only the tokens or KV the next turn
-continues from are wrong."""
+"""Mutants of what a streaming session keeps from a turn: one that ended by a stop (only the
+tokens or KV the next turn continues from are wrong), and one that memory pressure gives up
+(the session rolls back as if the client had aborted it). Every KV count stays right (M1-M5
+and the inherited-KV count hold)."""
 
 from __future__ import annotations
 
 from refengine import Engine
+from refengine.events import Event
 from refengine.output import OutputProcessor
 from refengine.request import Req
+from refengine.step import StepResult
 
 
 class _StopTurnEndsWithEOS(OutputProcessor):
@@ -45,3 +48,22 @@ class StopRunNotCompacted(Engine):
     session's next turn after a tree's run attends to the KV of rejected branches."""
 
     output_class = _StopRunNotCompacted
+
+
+class _AbortsRetractedSessionTurns(OutputProcessor):
+    def resolve(self, result: StepResult, events: list[Event]) -> None:
+        for req in list(self.scheduler.waiting):
+            if req.retractions and req.cached_prefix:
+                # BUG: "a turn over a kept prefix cannot be re-prefilled": the retracted turn is
+                # finished as aborted, and its session rolls back to the previous turn.
+                self.finish(req, "abort", events)
+        super().resolve(result, events)
+
+
+class AbortsRetractedSessionTurns(Engine):
+    """A session turn that inherited KV is given up when memory pressure retracts it: it
+    finishes 'abort' and its session rolls back, instead of re-prefilling over its kept prefix
+    and resuming. Every count holds and the session looks like one whose client aborted that
+    turn; no client did."""
+
+    output_class = _AbortsRetractedSessionTurns
