@@ -21,6 +21,7 @@ from conformance.run.prompts import load_prompt_set
 from conformance.run.registry import load_backend
 from conformance.run.specs import SPECS
 from refengine import Engine, EngineConfig
+from tests.failing_certify import certify_failing, failed_row
 
 MUTANT = "mutant:draft_after_retract_from_prompt_feature"
 CHECK = "test_golden.py::test_retraction_acceptance_matches_golden[chain-s3-n4]"
@@ -31,18 +32,12 @@ TOKENS = 16
 
 @pytest.fixture(scope="module")
 def certified(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    report = tmp_path_factory.mktemp("cert") / "report"
-    code = main(["certify", "--backend", MUTANT, "--spec", "eagle", "--only", CHECK, "-n", "0",
-                 "--report", str(report)])
-    assert code == 1
-    return report
+    return certify_failing(tmp_path_factory.mktemp("cert") / "report", MUTANT, "eagle", CHECK)
 
 
 def test_the_golden_failure_leaves_a_repro_that_reproduces(certified: Path) -> None:
-    row = next(c for c in json.loads((certified / "report.json").read_text())["checks"]
-               if c["nodeid"] == CHECK)
-    assert row["outcome"] == "failed" and row["repro_reproduces"] is True, row
-    repro = certified / row["repro"]
+    row = failed_row(certified, CHECK)
+    repro = certified / str(row["repro"])
     assert json.loads(repro.read_text())["specgate_repro"] == 2
     (run,) = load(repro).runs
     assert run.config.retract_every and any(

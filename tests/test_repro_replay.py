@@ -5,7 +5,6 @@ pytest (through the plugin's ``specgate_backend`` fixture)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from conformance.repro.scenario import (
     save,
 )
 from conformance.run.registry import load_backend
+from tests.failing_certify import certify_failing, failed_row
 
 MUTANT = "mutant:max_new_tokens_off_by_one"
 CHECK = "test_lifecycle.py::test_max_new_tokens[2]"
@@ -34,18 +34,12 @@ CHECK = "test_lifecycle.py::test_max_new_tokens[2]"
 
 @pytest.fixture(scope="module")
 def certified(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    report = tmp_path_factory.mktemp("cert") / "report"
-    code = main(["certify", "--backend", MUTANT, "--spec", "none", "--only", CHECK, "-n", "0",
-                 "--report", str(report)])
-    assert code == 1
-    return report
+    return certify_failing(tmp_path_factory.mktemp("cert") / "report", MUTANT, "none", CHECK)
 
 
 def test_a_failing_check_leaves_a_repro_and_the_command(certified: Path) -> None:
-    row = next(c for c in json.loads((certified / "report.json").read_text())["checks"]
-               if c["nodeid"] == CHECK)
-    assert row["outcome"] == "failed" and row["repro_reproduces"] is True
-    repro = certified / row["repro"]
+    row = failed_row(certified, CHECK)
+    repro = certified / str(row["repro"])
     assert repro.parent.name == "repro" and repro.is_file()
     scenario = load(repro)
     assert scenario.check == CHECK and scenario.backend == MUTANT and scenario.failure
