@@ -277,10 +277,7 @@ def _plan_turn(sg: SuiteContext, where: tuple[str, int], prompt: list[int], endi
     if params is None:
         return None
     n, reason = _finish(sg, want, params)
-    text = None
-    if params.stop:
-        text = sg.oracle.decode(want[:n])
-        text = text[:min(i for i in (text.find(s) for s in params.stop) if i >= 0)]
+    text = sg.oracle.finish_text(want[:n], params.stop) if params.stop else None
     return Planned(*where, prompt, params, plain, full, want[:n], reason, text)
 
 
