@@ -13,7 +13,7 @@ import argparse
 import time
 
 from conformance.checks.golden import summarize
-from conformance.run.prompts import load_prompt_set
+from conformance.plan.prompts import load_prompt_set
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
 
 DEFAULT_CONFIGS = ["3,1,4", "4,4,10"]  # chain N=4 (goal tau >= 2.8), tree S4 k4 N10 (>= 3.2)

@@ -26,7 +26,7 @@ from conformance.bench.measure import _run_batch
 def child(spec: str, lane_label: str, executor: str, tokens: int) -> dict[str, object]:
     """One lane's two runs, in this process."""
     from conformance.contract import OpenConfig
-    from conformance.run.registry import load_backend
+    from conformance.plan.registry import load_backend
     from refengine.graph import aot
 
     lane = next(ln for ln in lanes_for(spec, ["refengine"]) if ln.label == lane_label)

@@ -24,7 +24,7 @@ import torch
 
 from conformance.bench.device import kernel_time
 from conformance.bench.lanes import load_prompts
-from conformance.run.specs import SPECS
+from conformance.plan.specs import SPECS
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
 from refengine.events import FinishEvent, TokenEvent
 

@@ -39,7 +39,7 @@ import torch
 from conformance.bench.lanes import load_prompts
 from conformance.bench.measure import _run_batch
 from conformance.contract import OpenConfig, SpecConfig
-from conformance.run.specs import SPECS
+from conformance.plan.specs import SPECS
 
 PROMPTS, NEW_TOKENS = 8, 64
 # Name fragments of the calls counted as kernels (pstats keys: file, line, function).
@@ -66,7 +66,7 @@ def lane_spec(spec: str) -> SpecConfig:
 
 def child(engine: str, rounds: int, spec: str, executor: str) -> dict[str, object]:
     """One measurement, in this process (its thread count already set)."""
-    from conformance.run.registry import load_backend  # after the thread count is set
+    from conformance.plan.registry import load_backend  # after the thread count is set
     cfg = (OpenConfig(model="tiny-code") if engine == "ctranslate2" else
            OpenConfig(model="tiny-code", spec=lane_spec(spec), graph_executor=executor))
     handle = load_backend(engine).open(cfg)

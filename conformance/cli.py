@@ -19,6 +19,7 @@ from typing import NoReturn
 from conformance.bench.command import cmd_bench
 from conformance.checks.commands import cmd_expected, cmd_golden
 from conformance.checks.golden_scenarios import SCENARIOS
+from conformance.plan.usage import INTERRUPTED, USAGE_ERROR, Interrupted, UsageError
 from conformance.report.coverage import CLASS_NAMES
 from conformance.report.durations import cmd_durations
 from conformance.report.merge import cmd_merge
@@ -28,7 +29,6 @@ from conformance.run.device import DEVICE_HELP, device_arg
 from conformance.run.interrupt_redelivery import keep_interrupts
 from conformance.run.mutants import cmd_mutants
 from conformance.run.quick_exit import exit_now
-from conformance.run.usage import INTERRUPTED, USAGE_ERROR, Interrupted, UsageError
 from conformance.version import specgate_version
 from refengine.config import GRAPH_EXECUTORS
 
@@ -78,7 +78,7 @@ def _cmd_cache(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from conformance.run.specs import SPECS
+    from conformance.plan.specs import SPECS
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
     parser = _Parser(prog="specgate", formatter_class=fmt, description="Conformance harness "

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from conformance.plan.specs import SPECS
 from conformance.report.certificate import build_certificate, render_markdown, write_reports
 from conformance.report.certified import accept_histogram, config_of, config_record
 from conformance.report.report_dir import ReportDir
-from conformance.run.specs import SPECS
 from conformance.run.suite import SuiteOptions, suite_args
 
 CONFIGS = [config_record(c) for c in SPECS["eagle"].configs]

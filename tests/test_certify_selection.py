@@ -12,14 +12,14 @@ import pytest
 from conformance.backends.refengine import RefEngineBackend
 from conformance.backends.refengine.adapter import RefEngineHandle
 from conformance.contract import Capabilities, OpenConfig
+from conformance.plan.specs import SPECS
+from conformance.plan.usage import UsageError
 from conformance.report.certificate import build_certificate, render_markdown
 from conformance.report.report_dir import ReportDir, ReportDirError
 from conformance.repro.record import TIMED_OUT
 from conformance.run.certify import claimed_specs
 from conformance.run.only import parse_only
-from conformance.run.specs import SPECS
 from conformance.run.suite import SuiteOptions, SuiteRun, suite_args, suite_dir
-from conformance.run.usage import UsageError
 from tests.test_cli import assert_usage_error, run
 from tests.test_merge import results
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.run.specs import SPECS
+from conformance.plan.specs import SPECS
 from conformance.run.suite import SuiteOptions, run_suite
 
 VARIANTS = ("whole_prefill", "no_memory_view", "run_to_completion", "queueing",

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
+from conformance.plan.specs import SPECS
 from conformance.report.certificate import Certificate, build_certificate, headline
 from conformance.report.console import print_summary, spec_table, tiers_cell
 from conformance.run.known_failures import KnownFailure, apply_known
-from conformance.run.specs import SPECS
 from tests.test_ci_docs import SUITES
 from tests.test_merge import results
 

@@ -27,7 +27,7 @@ from conformance.contract.versions import (
     config_for,
     declared_version,
 )
-from conformance.run.registry import BackendError, load_backend
+from conformance.plan.registry import BackendError, load_backend
 from tests.compat.v1_refengine import V1Backend
 from tests.test_cli import assert_usage_error, run
 

@@ -17,8 +17,8 @@ from conformance.backends.mutants.sampling import VERIFY_PARAM_BUGS
 from conformance.checks import stats
 from conformance.checks.distribution import JointLaw, exact_law, verify_misapplied_law
 from conformance.checks.oracle import ReferenceOracle
-from conformance.run.prompts import load_prompt_set
-from conformance.run.specs import SPECS
+from conformance.plan.prompts import load_prompt_set
+from conformance.plan.specs import SPECS
 from conformance.suites.test_distribution import (
     ALPHA_PER_SETTING,
     SETTINGS,

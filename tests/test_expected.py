@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from conformance.checks import expected as exp
 from conformance.checks import expected_record as rec
 from conformance.checks.oracle import NEAR_TIE_EPSILON, ReferenceOracle
-from conformance.run.profiles import PROFILES
-from conformance.run.prompts import load_prompt_set
+from conformance.plan.profiles import PROFILES
+from conformance.plan.prompts import load_prompt_set
 from refengine import SamplingParams
 
 MODEL = "tiny-code"

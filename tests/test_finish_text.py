@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conformance.checks.oracle import ReferenceOracle
-from conformance.run.prompts import load_prompt_set
+from conformance.plan.prompts import load_prompt_set
 
 
 @cache

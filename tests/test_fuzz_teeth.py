@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from conformance.plan.registry import load_backend
 from conformance.repro.replay import replay
 from conformance.repro.scenario import load
-from conformance.run.registry import load_backend
 from conformance.run.suite import suite_dir
 
 MOST_ACTIONS = 12

@@ -12,7 +12,7 @@ import pytest
 
 from conformance.checks import golden
 from conformance.cli import main
-from conformance.run.specs import SPECS, config_id
+from conformance.plan.specs import SPECS, config_id
 from refengine.data import fixtures_root, golden_root
 
 VLLM_HEAD = "tiny-code-eagle-vllm"

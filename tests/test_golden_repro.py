@@ -13,13 +13,13 @@ import pytest
 
 from conformance.cli import main
 from conformance.contract import OpenConfig, SamplingParams
+from conformance.plan.prompts import load_prompt_set
+from conformance.plan.registry import load_backend
+from conformance.plan.specs import SPECS
 from conformance.repro.command import with_spec
 from conformance.repro.record import RecordedRuns
 from conformance.repro.replay import replay, requirements
 from conformance.repro.scenario import Action, Run, Scenario, Step, Submit, load
-from conformance.run.prompts import load_prompt_set
-from conformance.run.registry import load_backend
-from conformance.run.specs import SPECS
 from refengine import Engine, EngineConfig
 from tests.failing_certify import certify_failing, failed_row
 

@@ -22,8 +22,8 @@ from conformance.checks.golden_scenarios import (
     sessions_of,
     waves,
 )
-from conformance.run.prompts import load_prompt_set
-from conformance.run.specs import SPECS, config_id
+from conformance.plan.prompts import load_prompt_set
+from conformance.plan.specs import SPECS, config_id
 
 CONFIGS = [c for choice in SPECS.values() for c in choice.configs
            if c is not None and not c.overlap]

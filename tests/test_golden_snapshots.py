@@ -12,7 +12,7 @@ import pytest
 
 from conformance.checks import golden
 from conformance.checks.golden_scenarios import SCENARIOS
-from conformance.run.specs import SPECS, config_id
+from conformance.plan.specs import SPECS, config_id
 
 CONFIGS = [c for name in ("eagle", "eagle-tree", "ngram") for c in SPECS[name].configs]
 CONFIG_PARAMS = [pytest.param(c, id=config_id(c), marks=() if i == 0 else pytest.mark.slow)

@@ -22,7 +22,7 @@ from conformance.checks.golden_scenarios import (
     SESSION_TURNS,
     Scenario,
 )
-from conformance.run.specs import SPECS
+from conformance.plan.specs import SPECS
 from refengine import EngineConfig, SamplingParams
 
 TOKENS = 64  # the gate profile's golden length of the plain trace (the others run whole)

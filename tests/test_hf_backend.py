@@ -111,7 +111,7 @@ def test_identity_and_capabilities() -> None:
 
 
 def test_registry_resolves_hf() -> None:
-    from conformance.run.registry import load_backend
+    from conformance.plan.registry import load_backend
 
     assert isinstance(load_backend("hf"), HFBackend)
 

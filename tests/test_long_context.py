@@ -12,8 +12,8 @@ from test_plugin import run_suite
 
 from conformance.cli import main
 from conformance.contract import Request
-from conformance.run.prompts import long_prompt
-from conformance.run.requests import BOUNDARY_LEAD, context_limit, requests_across
+from conformance.plan.prompts import long_prompt
+from conformance.plan.requests import BOUNDARY_LEAD, context_limit, requests_across
 
 pytest_plugins = ["pytester"]
 

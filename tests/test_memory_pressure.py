@@ -13,8 +13,8 @@ from test_plugin import run_suite
 
 from conformance.backends.refengine import RefEngineBackend, RefEngineHandle
 from conformance.contract import MemoryView, OpenConfig, ReqKV, SpecConfig
+from conformance.plan.specs import SPECS, config_id
 from conformance.run.pressure import PressureWitness, step_kv_need, widest_config
-from conformance.run.specs import SPECS, config_id
 
 pytest_plugins = ["pytester"]
 

@@ -25,9 +25,9 @@ from conformance.checks.calibration import (
 )
 from conformance.checks.oracle import NEAR_TIE_EPSILON, Divergence, ReferenceOracle, top2_margins
 from conformance.contract import FLAG_NAMES, PRECISIONS, Capabilities, Request, SamplingParams
-from conformance.run.profiles import PROFILES as PLUGIN_PROFILES
-from conformance.run.prompts import load_prompt_set
-from conformance.run.requests import calibration_requests
+from conformance.plan.profiles import PROFILES as PLUGIN_PROFILES
+from conformance.plan.prompts import load_prompt_set
+from conformance.plan.requests import calibration_requests
 from refengine import Engine, EngineConfig
 from refengine.model.llama import ForwardBatch, ForwardOutput
 from refengine.runner import ModelRunner

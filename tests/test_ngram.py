@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conformance.run.prompts import load_prompt_set
+from conformance.plan.prompts import load_prompt_set
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
 from refengine.config import NGRAM_MAX, NGRAM_MIN
 from refengine.memory.view import idle_error

@@ -12,8 +12,8 @@ import pytest
 from conformance.backends.refengine import RefEngineBackend
 from conformance.backends.refengine.adapter import RefEngineHandle
 from conformance.contract import Capabilities, OpenConfig
+from conformance.plan.registry import BackendError, load_backend
 from conformance.report.certificate import build_certificate, render_markdown
-from conformance.run.registry import BackendError, load_backend
 
 pytest_plugins = ["pytester"]
 

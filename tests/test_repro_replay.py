@@ -14,6 +14,7 @@ import pytest
 
 from conformance.cli import main
 from conformance.contract import OpenConfig, SamplingParams
+from conformance.plan.registry import load_backend
 from conformance.repro.replay import replay
 from conformance.repro.scenario import (
     Abort,
@@ -25,7 +26,6 @@ from conformance.repro.scenario import (
     load,
     save,
 )
-from conformance.run.registry import load_backend
 from tests.failing_certify import certify_failing, failed_row
 
 MUTANT = "mutant:max_new_tokens_off_by_one"

@@ -1,4 +1,4 @@
-"""The drawn speculative shapes (``conformance.run.shapes``): legal for the spec's algorithm,
+"""The drawn speculative shapes (``conformance.plan.shapes``): legal for the spec's algorithm,
 distinct, none of the named ones, the same every time, and for a spec with trees first the
 shapes named configurations never have (a tree of N = S + 1 that can branch, one of N = S·k,
 a chain)."""
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.run.profiles import PROFILES
-from conformance.run.shapes import TREE_CLASSES, drawn_configs, drawn_shapes, legal_shapes
-from conformance.run.specs import SPECS, SpecChoice
+from conformance.plan.profiles import PROFILES
+from conformance.plan.shapes import TREE_CLASSES, drawn_configs, drawn_shapes, legal_shapes
+from conformance.plan.specs import SPECS, SpecChoice
 from refengine.config import SpecConfig
 
 SPECULATIVE = [s for s in SPECS.values() if s.configs[0] is not None]

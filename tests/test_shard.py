@@ -59,7 +59,7 @@ def test_unknown_checks_weigh_the_median() -> None:
 
 
 def test_the_bundled_table_covers_every_spec() -> None:
-    from conformance.run.specs import SPECS
+    from conformance.plan.specs import SPECS
 
     table = load_durations(DURATIONS)
     assert set(table) == set(SPECS) and all(len(rows) > 5 for rows in table.values())

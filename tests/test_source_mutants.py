@@ -13,7 +13,7 @@ import pytest
 
 from conformance import cli
 from conformance.backends.mutants import source_patches as sm
-from conformance.run.registry import BackendError, load_backend
+from conformance.plan.registry import BackendError, load_backend
 from conformance.run.suite import SuiteOptions, suite_args, suite_dir
 
 TESTS = Path(__file__).resolve().parent
@@ -54,7 +54,7 @@ def test_the_subprocess_imports_the_patched_copy(tmp_path: Path) -> None:
     probe = tmp_path / "test_probe.py"
     probe.write_text(
         "import refengine.sampler, inspect\n"
-        "from conformance.run.registry import load_backend\n"
+        "from conformance.plan.registry import load_backend\n"
         "def test_patched():\n"
         "    assert 'bfloat16' in inspect.getsource(refengine.sampler.select_tokens)\n"
         f"    assert load_backend('mutant:{MUTANT.name}').name == 'mutant:{MUTANT.name}'\n")

@@ -9,7 +9,7 @@ import pytest
 
 from conformance.backends.refengine import RefEngineBackend
 from conformance.contract import SpecConfig, unclaimed_under
-from conformance.run.specs import SPECS, config_id
+from conformance.plan.specs import SPECS, config_id
 from conformance.run.suite import SuiteOptions, run_suite
 
 S5, S3 = SPECS["eagle"].configs[1], SPECS["eagle"].configs[0]

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from conformance.plan.specs import SPECS
 from conformance.repro.emit import emit_pytest
 from conformance.repro.scenario import Scenario, load
 from conformance.run.known_failures import KnownFailure, load_known
-from conformance.run.specs import SPECS
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "conformance" / "backends" / "vllm"

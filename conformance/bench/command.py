@@ -7,8 +7,9 @@ import json
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from conformance.plan.preflight import validate
+from conformance.plan.usage import UsageError
 from conformance.report.files import output_file, write_atomically
-from conformance.run.usage import UsageError, validate
 
 if TYPE_CHECKING:
     from conformance.contract import Backend

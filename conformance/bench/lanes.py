@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from conformance.contract import SpecConfig
-from conformance.run.prompts import load_prompt_set
-from conformance.run.specs import SPECS, config_id
+from conformance.plan.prompts import load_prompt_set
+from conformance.plan.specs import SPECS, config_id
 
 
 def parse_backends(text: str) -> list[str]:

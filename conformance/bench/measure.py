@@ -183,7 +183,9 @@ def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, 
         raise ValueError(f"--backends: duplicates in {backends}")
     workload = Workload(model, tuple(batch_sizes), max_new_tokens, min_requests, repeats, device)
     if loader is None:
-        from conformance.run.registry import load_backend  # lazy: the CLI imports this module early
+        from conformance.plan.registry import (
+            load_backend,  # lazy: the CLI imports this module early
+        )
         loader = load_backend
     if graphs:
         load = loader

@@ -54,13 +54,13 @@ class LineProgress:
 def run_job(job: LaneJob) -> BenchResult:
     """Load the lane's backend, open it and time it (``measure.run_lanes``) in this process."""
     from conformance.bench.measure import run_lanes
-    from conformance.run.registry import load_backend
+    from conformance.plan.registry import load_backend
 
     return run_lanes([job.lane], job.workload, LineProgress(), load_backend)
 
 
 def main(argv: list[str]) -> int:
-    from conformance.run.usage import USAGE_ERROR
+    from conformance.plan.usage import USAGE_ERROR
 
     job, out = LaneJob.from_json(argv[0]), Path(argv[1])
     try:

@@ -26,8 +26,8 @@ from functools import cache
 import torch
 
 from conformance.checks.oracle import NEAR_TIE_EPSILON, ReferenceOracle
-from conformance.run.profiles import Profile
-from conformance.run.requests import Requests, calibration_requests
+from conformance.plan.profiles import Profile
+from conformance.plan.requests import Requests, calibration_requests
 from refengine import Engine
 
 CALIBRATION_FACTOR = 2.0

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from conformance.plan.preflight import validate
+from conformance.plan.usage import UsageError
 from conformance.report.files import write_atomically
-from conformance.run.usage import UsageError, validate
 
 if TYPE_CHECKING:
     from conformance.contract import SpecConfig
@@ -17,7 +18,7 @@ def _golden_configs(spec: str, draft_model: str | None = None) -> list[SpecConfi
     """The spec's configurations with traces of their own; with ``draft_model``, drafting
     with that bundled model instead (its traces sit under ``<config>@<draft model>``)."""
     from conformance.checks.golden import golden_path
-    from conformance.run.specs import resolve_specs
+    from conformance.plan.specs import resolve_specs
 
     try:
         choices = resolve_specs(spec)
@@ -46,8 +47,8 @@ def _golden_configs(spec: str, draft_model: str | None = None) -> list[SpecConfi
 def cmd_golden(args: argparse.Namespace) -> int:
     from conformance.checks import golden
     from conformance.checks.golden_scenarios import SCENARIOS
+    from conformance.plan.prompts import load_prompt_set
     from conformance.report.progress import Steps
-    from conformance.run.prompts import load_prompt_set
 
     validate("none", [], args.model, args.draft_model)
     configs = _golden_configs(args.spec, args.draft_model)

@@ -19,9 +19,9 @@ from conformance.checks.expected import (
 )
 from conformance.checks.oracle import NEAR_TIE_EPSILON
 from conformance.contract import SamplingParams
-from conformance.run.profiles import PROFILES
-from conformance.run.prompts import load_prompt_set
-from conformance.run.requests import context_limit, requests_across
+from conformance.plan.profiles import PROFILES
+from conformance.plan.prompts import load_prompt_set
+from conformance.plan.requests import context_limit, requests_across
 
 if TYPE_CHECKING:
     import torch

@@ -33,8 +33,8 @@ from pathlib import Path
 
 from conformance.checks.golden_scenarios import PLAIN, Planned, Scenario, sessions_of, waves
 from conformance.checks.oracle import top2_margins
-from conformance.run.prompts import load_prompt_set
-from conformance.run.specs import SPECS, config_id
+from conformance.plan.prompts import load_prompt_set
+from conformance.plan.specs import SPECS, config_id
 from refengine import Engine, EngineConfig, FinishEvent, RetractEvent, SamplingParams, SpecConfig
 from refengine.data import fixture_names, fixtures_root, golden_root
 

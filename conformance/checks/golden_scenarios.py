@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:  # the CLI reads the scenario names without loading a tokenizer
-    from conformance.run.prompts import PromptCase
+    from conformance.plan.prompts import PromptCase
 
 CHUNK_TOKENS = 64     # the chunked trace's max_prefill_tokens
 CHUNKED_PROMPTS = 6

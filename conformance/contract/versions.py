@@ -4,7 +4,7 @@ contract").
 
 A backend may declare ``contract_version = N``; without the attribute it is taken to be
 written for the current contract, ``CONTRACT_VERSION``. A backend written for an older
-contract is wrapped once, where backends are loaded (``conformance.run.registry``), in a
+contract is wrapped once, where backends are loaded (``conformance.plan.registry``), in a
 ``VersionedBackend`` that translates every ``OpenConfig`` it is opened with into what that
 contract promised, or refuses in one line what that contract cannot express. Everything else
 (capabilities, handles, optional extras such as ``unclaimed_reasons`` or ``kernel_impls``) is

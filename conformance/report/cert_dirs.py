@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from conformance.plan.specs import SPECS
 from conformance.report.report_dir import REPRO_DIR
-from conformance.run.specs import SPECS
 from specwire.untrusted import MiB, UntrustedFileError, load_json
 
 MAX_REPORT_BYTES = 256 * MiB

@@ -43,8 +43,7 @@ from conformance.report.failures import (
     replay_fields,
 )
 from conformance.report.figures import figures_lines
-from conformance.report.verdict import backend_rows, is_self_check
-from conformance.run.known_failures import KNOWN_FAILURE
+from conformance.report.verdict import KNOWN_FAILURE, backend_rows, is_self_check
 
 OUTCOMES = ("passed", "failed", KNOWN_FAILURE, "not claimed", "skipped")
 INCOMPLETE = "incomplete"  # a tier (or run) an interrupt cut short

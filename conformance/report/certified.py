@@ -6,7 +6,7 @@ checks' properties: the lossless tier's ``tau`` per check, the golden tier's ``m
 ``golden_mean_tau`` and its histograms ``accept_hist`` (the backend, on the golden prompts) and
 ``golden_accept_hist`` (the golden trace, the same requests), and the lossless tier's
 ``near_ties``. A check belongs to the configuration its parametrize id starts with
-(``conformance.run.specs.config_id``, first in every id of a spec-parametrised check).
+(``conformance.plan.specs.config_id``, first in every id of a spec-parametrised check).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from conformance.contract import SpecConfig
-from conformance.run.specs import config_id
+from conformance.plan.specs import config_id
 
 
 def config_record(config: SpecConfig | None) -> dict[str, object]:

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from conformance.run.known_failures import KNOWN_FAILURE
+from conformance.report.verdict import KNOWN_FAILURE
 
 NOT_CLAIMED = "not claimed"
 RAN = ("passed", "failed", KNOWN_FAILURE)

@@ -9,9 +9,9 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from conformance.plan.usage import UsageError
 from conformance.report.cert_dirs import read_cert_dir
 from conformance.report.files import output_file, write_atomically
-from conformance.run.usage import UsageError
 
 
 def durations_table(dirs: list[Path]) -> dict[str, object]:

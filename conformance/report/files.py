@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from conformance.run.usage import UsageError
+from conformance.plan.usage import UsageError
 
 
 def output_file(text: str, option: str = "--json") -> Path:

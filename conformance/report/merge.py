@@ -22,11 +22,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from conformance.plan.specs import SPECS
+from conformance.plan.usage import UsageError
 from conformance.report.cert_dirs import CertDir, SpecFiles, read_cert_dir
 from conformance.report.failures import DEFAULT_MODEL
 from conformance.report.verdict import vacuous_reason
-from conformance.run.specs import SPECS
-from conformance.run.usage import UsageError
 from specwire.untrusted import UntrustedFileError, contained
 
 # what every shard of one run records alike

@@ -19,8 +19,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from conformance.plan.usage import UsageError
 from conformance.repro.scenario import Action, ReproFileError, Scenario, Submit, load
-from conformance.run.usage import UsageError
 
 DEFAULT_BACKEND = "refengine"
 
@@ -28,7 +28,7 @@ DEFAULT_BACKEND = "refengine"
 def with_spec(scenario: Scenario, name: str) -> Scenario:
     """Every run under the first configuration of spec ``name`` instead of its own; accept
     lengths recorded under another configuration are dropped (they say nothing of this one)."""
-    from conformance.run.specs import resolve_specs
+    from conformance.plan.specs import resolve_specs
 
     try:
         choices = resolve_specs(name)
@@ -49,8 +49,8 @@ def _without_acceptance(action: Action) -> Action:
 
 
 def cmd_repro(args: argparse.Namespace) -> int:
+    from conformance.plan.registry import BackendError, load_backend
     from conformance.repro.replay import NotApplicable, check_applicable, replay
-    from conformance.run.registry import BackendError, load_backend
 
     try:
         scenario = load(Path(args.file))
@@ -90,7 +90,7 @@ def recorded_backend(scenario: Scenario, source: str) -> str:
     knows it by name, else a UsageError saying to pass it (never an import from the file)."""
     from conformance.backends.mutants import MUTANTS
     from conformance.backends.mutants.source_patches import SOURCE_MUTANTS
-    from conformance.run.registry import known_backends
+    from conformance.plan.registry import known_backends
 
     label = scenario.backend or DEFAULT_BACKEND
     mutant = label.removeprefix("mutant:")

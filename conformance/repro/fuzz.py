@@ -27,11 +27,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from conformance.checks.oracle import ReferenceOracle
 from conformance.contract import Backend, Capabilities, OpenConfig, SamplingParams
+from conformance.plan.prompts import PromptCase, long_prompt
+from conformance.plan.requests import context_limit
 from conformance.repro.record import RecordedRuns
 from conformance.repro.replay import ActionRunner, Diverged, step_allowance
 from conformance.repro.scenario import Abort, CloseSession, OpenSession, Run, Step, Submit
-from conformance.run.prompts import PromptCase, long_prompt
-from conformance.run.requests import context_limit
 
 ROOMY_POOL = 4096        # tokens: several long requests at once
 MAX_LIVE = 6            # requests in flight at once: enough for batches, small enough to shrink

@@ -32,6 +32,8 @@ from conformance.contract import (
     TokenEvent,
     effective_page_size,
 )
+from conformance.plan.profiles import PROFILES
+from conformance.plan.requests import context_limit
 from conformance.repro.scenario import (
     Abort,
     Action,
@@ -44,8 +46,6 @@ from conformance.repro.scenario import (
     describe,
 )
 from conformance.run.driver import Driver, backend_call, step_budget
-from conformance.run.profiles import PROFILES
-from conformance.run.requests import context_limit
 
 WAIT_STEPS = 10_000  # how long an action may wait for what it needs to finish
 

@@ -19,17 +19,18 @@ from typing import TYPE_CHECKING
 
 from conformance.contract import OpenConfig
 from conformance.contract.versions import ContractRefusal, config_for, declared_version
+from conformance.plan.preflight import validate
+from conformance.plan.usage import Interrupted, UsageError
 from conformance.report.console import print_certificate, print_summary
-from conformance.run.usage import Interrupted, UsageError, validate
 from specwire.untrusted import contained
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from conformance.contract import Backend, Capabilities
+    from conformance.plan.specs import SpecChoice
     from conformance.report.certificate import Certificate
     from conformance.run.known_failures import KnownFailure
-    from conformance.run.specs import SpecChoice
     from conformance.run.suite import SuiteRun
 
 MULTI_SPEC = ("all", "claimed")  # one certificate per spec, in <report>/<spec>/
@@ -42,7 +43,7 @@ def pytest_problem(run: SuiteRun) -> str:
 
 def claimed_specs(caps: Capabilities) -> list[SpecChoice]:
     """The specs a backend claims: their algorithm, and tree and overlap where they need it."""
-    from conformance.run.specs import SPECS
+    from conformance.plan.specs import SPECS
 
     return [s for s in SPECS.values() if caps.claims(f"algorithm:{s.algorithm}")
             and (caps.tree or not s.needs_tree) and (caps.overlap or not s.needs_overlap)]
@@ -90,7 +91,8 @@ class Finish:
 
 def _finish(results: dict[str, object], finish: Finish, junit: Path) -> dict[str, object]:
     from conformance.report.junit import mark_incomplete, mark_known
-    from conformance.run.known_failures import KNOWN_FAILURE, apply_known
+    from conformance.report.verdict import KNOWN_FAILURE
+    from conformance.run.known_failures import apply_known
     from conformance.version import specgate_version
 
     results = {**results, "specgate_version": specgate_version(),
@@ -205,6 +207,7 @@ def refuses_model(backend: Backend, cfg: OpenConfig) -> None:
 
 
 def cmd_certify(args: argparse.Namespace) -> int:
+    from conformance.plan.specs import resolve_specs
     from conformance.report.certificate import (
         build_certificate,
         summary_markdown,
@@ -213,7 +216,6 @@ def cmd_certify(args: argparse.Namespace) -> int:
     from conformance.report.progress import stderr_console
     from conformance.report.report_dir import ReportDir, ReportDirError
     from conformance.run.device import best_graphs, device_problem
-    from conformance.run.specs import resolve_specs
 
     multi = args.spec in MULTI_SPEC
     args.graphs = best_graphs(args.graphs, args.device)

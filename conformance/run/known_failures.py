@@ -29,12 +29,12 @@ from dataclasses import asdict, dataclass, field
 from datetime import date
 from pathlib import Path
 
+from conformance.plan.specs import SPECS
 from conformance.report.failures import replay_fields
-from conformance.run.specs import SPECS
+from conformance.report.verdict import KNOWN_FAILURE
 from conformance.run.suite_checks import suite_checks, unknown_check
 from specwire.untrusted import MiB, load_toml
 
-KNOWN_FAILURE = "known failure"
 SECTION = "known-failures"
 FIELDS = ("reason", "expires", "spec", "repro")
 MAX_FILE_BYTES = 16 * MiB

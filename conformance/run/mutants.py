@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING
 
 from rich.markup import escape
 
+from conformance.plan.preflight import validate
+from conformance.plan.usage import Interrupted, UsageError
 from conformance.report.console import print_table
 from conformance.run.certify import pytest_problem
-from conformance.run.usage import Interrupted, UsageError, validate
 
 if TYPE_CHECKING:
     from conformance.backends.mutants import Mutant

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from conformance.plan.profiles import PROFILES
 from conformance.run.case_timeout import default_seconds
 from conformance.run.device import DEVICE_HELP
-from conformance.run.profiles import PROFILES
 from refengine.config import GRAPH_EXECUTORS
 
 

@@ -16,110 +16,31 @@ precision the backend declares (``conformance.report.certified``).
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
-from collections import Counter
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from conformance.checks.oracle import ReferenceOracle
-from conformance.contract import (
-    Backend,
-    Capabilities,
-    OpenConfig,
-    SpecConfig,
-    unclaimed_reasons,
-    unclaimed_under,
-)
-from conformance.contract.versions import declared_version
-from conformance.report.certified import config_record
-from conformance.report.environment import run_environment
+from conformance.contract import Backend, SpecConfig, unclaimed_under
+from conformance.plan.registry import BackendError, load_backend
+from conformance.plan.specs import SpecChoice, config_id
 from conformance.report.progress import backend_progress, tier_of
-from conformance.report.verdict import SELF_CHECK_MARK, vacuous_reason
-from conformance.repro.record import RecordedRuns, write_repro
-from conformance.run.case_timeout import (
-    CaseDeadline,
-    CaseTimeout,
-    default_seconds,
-    native_grace,
-)
-from conformance.run.device import device_problem
+from conformance.report.verdict import SELF_CHECK_MARK
+from conformance.repro.record import write_repro
+from conformance.run.case_timeout import CaseDeadline, CaseTimeout
+from conformance.run.collector import NOT_CLAIMED, ResultCollector
+from conformance.run.context import SuiteContext, case_timeout, context
 from conformance.run.interrupt_redelivery import keep_interrupts
-from conformance.run.native_watchdog import (
-    WORKER_INPUT_KEY,
-    NativeWatchdog,
-    crash_message,
-    dump_path,
-)
+from conformance.run.native_watchdog import WORKER_INPUT_KEY, NativeWatchdog, dump_path
 from conformance.run.options import add_suite_options
-from conformance.run.profiles import PROFILES, Profile
-from conformance.run.prompts import PromptCase, load_prompt_set
 from conformance.run.quick_exit import WorkerInterruptExit
-from conformance.run.registry import BackendError, load_backend
-from conformance.run.specs import SpecChoice, config_id, resolve_specs
 
-NOT_CLAIMED = "not claimed"
 LONG_TIER = "fuzz"
-DEFAULT_BACKEND = "refengine"
-
-
-@dataclass
-class SuiteContext:
-    """What every check needs: the backend, its claims, the spec, the profile and the oracle."""
-
-    backend_name: str
-    backend: Backend
-    caps: Capabilities
-    spec: SpecChoice
-    profile: Profile
-    model: str = "tiny-code"
-    graph_executor: str | None = None  # --specgate-graphs
-    device: str = "cpu"  # --specgate-device
-    _oracle: ReferenceOracle | None = field(default=None, repr=False)
-    _check: pytest.Item | None = field(default=None, repr=False)  # the suite check running now
-    recorded: RecordedRuns = field(default_factory=RecordedRuns)  # its drivers, for a repro
-
-    @property
-    def prompts(self) -> tuple[PromptCase, ...]:
-        return load_prompt_set(self.profile.prompt_set, self.model)
-
-    def open_config(self, spec: SpecConfig | None, **limits: int) -> OpenConfig:
-        """What every check opens the backend with: the model, ``spec``, the run's graph
-        executor and device, and the check's own limits."""
-        return replace(OpenConfig(model=self.model, spec=spec, graph_executor=self.graph_executor,
-                                  device=self.device), **limits)
-
-    @property
-    def oracle(self) -> ReferenceOracle:
-        if self._oracle is None:
-            self._oracle = ReferenceOracle(self.model)
-        return self._oracle
-
-    def extend_property(self, name: str, entries: list[str]) -> None:
-        """Add ``entries`` to the list property ``name`` of the running check (what pytest's
-        ``record_property`` fixture writes), so helpers shared by the tiers record figures
-        without every check handing the fixture down; calls within one check add up."""
-        assert self._check is not None, "extend_property: no suite check is running"
-        props = self._check.user_properties
-        for i, (key, value) in enumerate(props):
-            if key == name:
-                props[i] = (name, [*value, *entries])
-                return
-        props.append((name, list(entries)))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     add_suite_options(parser)
-
-
-def _backend_name(config: pytest.Config) -> str:
-    return (config.getoption("--specgate-backend") or os.environ.get("SPECGATE_BACKEND")
-            or DEFAULT_BACKEND)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -142,41 +63,6 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(ResultCollector(config), "specgate-results")
         # in-process runs: no native watchdog, which would end the whole run
         config.pluginmanager.register(CaseDeadline(seconds), "specgate-timeout")
-
-
-def case_timeout(config: pytest.Config) -> float:
-    chosen = config.getoption("--specgate-case-timeout")
-    if chosen is not None:
-        return float(chosen)
-    return default_seconds(config.getoption("--specgate-profile"),
-                           config.getoption("--specgate-graphs"))
-
-
-def context(config: pytest.Config) -> SuiteContext:
-    ctx = getattr(config, "_specgate_ctx", None)
-    if ctx is None:
-        name = _backend_name(config)
-        try:
-            backend = load_backend(name)
-            spec = resolve_specs(config.getoption("--specgate-spec"))[0]
-            draft = config.getoption("--specgate-draft-model")
-            if draft:
-                spec = spec.with_draft_model(draft)
-        except (BackendError, ValueError) as err:
-            raise pytest.UsageError(str(err)) from None
-        caps = backend.capabilities()
-        graphs = config.getoption("--specgate-graphs")
-        if graphs and not caps.graph_runner:
-            raise pytest.UsageError(f"--graphs: backend {name!r} does not claim graph_runner")
-        device = config.getoption("--specgate-device")
-        problem = device_problem(device, graphs)
-        if problem:
-            raise pytest.UsageError(problem)
-        ctx = SuiteContext(name, backend, caps, spec,
-                           PROFILES[config.getoption("--specgate-profile")],
-                           config.getoption("--specgate-model"), graphs, device)
-        config._specgate_ctx = ctx  # type: ignore[attr-defined]
-    return ctx
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -323,147 +209,3 @@ def sg(request: pytest.FixtureRequest) -> SuiteContext:
     return context(request.config)
 
 
-def _message(report: pytest.TestReport) -> str:
-    """A check's row message: why it failed, or why it was skipped."""
-    crash = getattr(report.longrepr, "reprcrash", None)
-    if report.failed and crash is not None:
-        return str(crash.message)[:800]
-    if report.failed:
-        return report.longreprtext.strip()[-800:]
-    if report.skipped and isinstance(report.longrepr, tuple):
-        return str(report.longrepr[2])
-    return ""
-
-
-def _outcome(report: pytest.TestReport) -> str:
-    if report.skipped:
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
-        return NOT_CLAIMED if reason.startswith(f"Skipped: {NOT_CLAIMED}") else "skipped"
-    return "passed" if report.passed else "failed"
-
-
-class ResultCollector:
-    """Collects one row per suite check (on the xdist controller, or the only process) and
-    applies the vacuous-run guard at the end of the session."""
-
-    def __init__(self, config: pytest.Config) -> None:
-        self.config = config
-        self.rows: dict[str, dict[str, object]] = {}
-        self.properties: dict[str, dict[str, object]] = {}  # node id -> its suite properties
-        self.interrupted = False
-        self.watchdog_dir: Path | None = None  # made when xdist starts its first worker
-        self.collected: Counter[str] = Counter()  # tier -> checks collected to run
-
-    @pytest.hookimpl(optionalhook=True)
-    def pytest_configure_node(self, node: object) -> None:
-        """xdist is starting a worker: tell it where its native watchdog writes."""
-        if self.watchdog_dir is None:
-            self.watchdog_dir = Path(tempfile.mkdtemp(prefix="specgate-watchdog-"))
-        node.workerinput[WORKER_INPUT_KEY] = str(self.watchdog_dir)  # type: ignore[attr-defined]
-
-    def pytest_keyboard_interrupt(self) -> None:
-        self.interrupted = True  # the results then cover only the checks that completed
-
-    def _collected(self, nodeids: list[str]) -> None:
-        """The checks each tier was to run, so an interrupted run can say which tiers only
-        partly ran (every xdist worker reports the same collection; the first is kept)."""
-        if not self.collected:
-            tiers = self.known_tiers()
-            self.collected = Counter(t for t in map(tier_of, nodeids) if t in tiers)
-
-    def pytest_collection_finish(self, session: pytest.Session) -> None:
-        if session.items:  # in-process (under xdist the controller collects nothing)
-            self._collected([item.nodeid for item in session.items])
-
-    @pytest.hookimpl(optionalhook=True)
-    def pytest_xdist_node_collection_finished(self, node: object, ids: list[str]) -> None:
-        self._collected(list(ids))
-
-    def _crashed(self, report: pytest.TestReport) -> None:
-        """xdist's report for a check whose worker died (its own phase name is not one of
-        pytest's): a row from the properties the check's set-up sent, and why it died."""
-        if tier_of(report.nodeid) not in self.known_tiers():
-            return
-        props = self.properties.get(report.nodeid, {"specgate_tier": tier_of(report.nodeid)})
-        worker = getattr(report, "node", None)
-        worker_id = getattr(getattr(worker, "gateway", None), "id", "?")
-        seconds = case_timeout(self.config)
-        message = crash_message(self.watchdog_dir, worker_id, seconds, native_grace(seconds))
-        self._store(report, props, "failed", message)
-
-    @staticmethod
-    def known_tiers() -> set[str]:
-        from conformance.run.suite import suite_dir
-        return {tier_of(p.name) for p in suite_dir().glob("test_*.py")}
-
-    def _store(self, report: pytest.TestReport, props: dict[str, object], outcome: str,
-               message: str) -> None:
-        previous = self.rows.get(report.nodeid)
-        if previous is not None and previous["outcome"] == "failed":
-            return  # a teardown after a failure must not hide the failure
-        self.rows[report.nodeid] = {
-            "nodeid": report.nodeid, "tier": props["specgate_tier"],
-            "requires": props.get("specgate_requires", ""), "outcome": outcome,
-            "duration": round(report.duration, 3), "message": message,
-            "figures": {k: v for k, v in props.items() if not k.startswith("specgate_")}}
-        if props.get("specgate_self_check"):
-            self.rows[report.nodeid]["self_check"] = True
-        if "specgate_threads" in props:
-            self.rows[report.nodeid]["threads"] = props["specgate_threads"]
-        if "specgate_repro" in props:
-            self.rows[report.nodeid]["repro"] = props["specgate_repro"]
-            self.rows[report.nodeid]["repro_reproduces"] = props["specgate_repro_reproduces"]
-            if "specgate_repro_not_replayed" in props:
-                self.rows[report.nodeid]["repro_not_replayed"] = props[
-                    "specgate_repro_not_replayed"]
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.when not in ("setup", "call", "teardown"):
-            if report.failed:
-                self._crashed(report)
-            return
-        props = dict(report.user_properties)
-        if "specgate_tier" not in props:
-            return
-        self.properties[report.nodeid] = props
-        final = report.when == "call" or (report.when == "setup" and not report.passed) or (
-            report.when == "teardown" and report.failed)
-        if final:
-            self._store(report, props, _outcome(report), _message(report))
-        if "specgate_progress" in props and report.nodeid in self.rows:  # on its last report
-            self.rows[report.nodeid]["progress"] = list(props["specgate_progress"])  # type: ignore[call-overload]
-
-    def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if self.watchdog_dir is not None:
-            shutil.rmtree(self.watchdog_dir, ignore_errors=True)
-        results_path = self.config.getoption("--specgate-results")
-        rows = list(self.rows.values())
-        # an incomplete run is reported as such, not as vacuous; a plain pytest run that
-        # collected no suite check (no results asked for) is no certification run at all
-        vacuous = (None if self.interrupted or (not rows and not results_path)
-                   else vacuous_reason(rows))
-        if vacuous:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
-            reporter = self.config.pluginmanager.get_plugin("terminalreporter")
-            if reporter is not None:
-                reporter.write_line(f"specgate: vacuous run refused: {vacuous}", red=True)
-        if results_path:
-            ctx = context(self.config)
-            Path(results_path).write_text(json.dumps({
-                "backend": {"name": ctx.backend.name, "version": ctx.backend.version,
-                            "resolved_from": ctx.backend_name,
-                            "contract_version": declared_version(ctx.backend)},
-                "capabilities": ctx.caps.as_dict(), "spec": ctx.spec.name,
-                "unclaimed_reasons": unclaimed_reasons(ctx.backend),
-                "configurations": [config_record(c) for c in ctx.spec.configs],
-                # Capabilities.precision, where the backend's adapter has it
-                "precision": str(getattr(ctx.caps, "precision", "float32")),
-                "case_timeout": case_timeout(self.config),
-                "threads": sorted({int(r["threads"]) for r in rows if "threads" in r}),
-                "profile": ctx.profile.name, "graphs": ctx.graph_executor, "device": ctx.device,
-                "model": ctx.model,
-                "draft_model": self.config.getoption("--specgate-draft-model") or None,
-                "environment": run_environment(ctx.device, ctx.caps.precision),
-                "vacuous": vacuous, "collected": dict(self.collected),
-                "interrupted": self.interrupted, "checks": rows,
-            }, indent=1))

@@ -12,17 +12,17 @@ import pytest
 from conformance.checks.calibration import near_tie_allowance
 from conformance.checks.oracle import Divergence
 from conformance.contract import SamplingParams, SpecConfig, effective_page_size
-from conformance.run.driver import Driver, Outcome, backend_call, step_budget
-from conformance.run.plugin import SuiteContext, context
-from conformance.run.pressure import widest_config
-from conformance.run.requests import (
+from conformance.plan.requests import (
     BOUNDARY_LEAD,
     context_lengths,
     context_limit,
     requests_across,
 )
-from conformance.run.requests import greedy as greedy  # the tiers' spelling: support.greedy
-from conformance.run.specs import config_id
+from conformance.plan.requests import greedy as greedy  # the tiers' spelling: support.greedy
+from conformance.plan.specs import config_id
+from conformance.run.context import SuiteContext, context
+from conformance.run.driver import Driver, Outcome, backend_call, step_budget
+from conformance.run.pressure import widest_config
 from refengine.data import fixture_names
 
 # Page size 4 only where there are pages to size: backends that claim a paged pool

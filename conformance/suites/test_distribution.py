@@ -87,9 +87,9 @@ from conformance.checks.distribution import (
     verify_misapplied_law,
 )
 from conformance.contract import Backend, OpenConfig, SamplingParams, SpecConfig
+from conformance.plan.specs import SPECS
+from conformance.run.context import SuiteContext
 from conformance.run.driver import Driver
-from conformance.run.plugin import SuiteContext
-from conformance.run.specs import SPECS
 
 # Both checks submit every request, then only step to the end (nothing acts between steps):
 # run-to-completion backends are certified too.

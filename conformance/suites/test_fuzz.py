@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from conformance.repro.fuzz import PAGE_SIZES, FuzzTarget, machine_for, shrink_budget
-from conformance.run.plugin import SuiteContext
+from conformance.run.context import SuiteContext
 from conformance.suites.support import page_for
 
 pytestmark = pytest.mark.specgate_tier("fuzz")

@@ -49,8 +49,8 @@ from conformance.checks.graph import (
     check_static_buffers_and_fresh_outputs,
 )
 from conformance.contract import GraphProbe, KeyWidthProbe
-from conformance.run.plugin import SuiteContext
-from conformance.run.requests import context_limit
+from conformance.plan.requests import context_limit
+from conformance.run.context import SuiteContext
 from conformance.suites.support import page_for
 
 pytestmark = [pytest.mark.specgate_tier("graph"), pytest.mark.specgate_requires("graph_runner")]

@@ -30,7 +30,7 @@ from conformance.checks.tree_cases import (
     tree_cases,
 )
 from conformance.contract import KernelImpls
-from conformance.run.plugin import SuiteContext
+from conformance.run.context import SuiteContext
 from refengine.kernels.tree_reference import (
     GreedyVerifyResult,
     Tree,

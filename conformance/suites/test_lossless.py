@@ -21,9 +21,9 @@ import pytest
 
 from conformance.checks.ngram_drafts import determined_steps, violations
 from conformance.contract import SamplingParams, SpecConfig
-from conformance.run.plugin import SuiteContext, context
-from conformance.run.shapes import drawn_configs
-from conformance.run.specs import config_id
+from conformance.plan.shapes import drawn_configs
+from conformance.plan.specs import config_id
+from conformance.run.context import SuiteContext, context
 from conformance.suites.support import (
     LONG_PREFILL_CHUNK,
     PAGE_SIZES,
@@ -176,7 +176,7 @@ def test_ngram_steps_accept_what_every_lookup_proposes(sg: SuiteContext,
 def test_drawn_shape_matches_reference(sg: SuiteContext, drawn_config: SpecConfig | None
                                        ) -> None:
     """A legal speculative shape of the spec's algorithm beyond its named configurations,
-    drawn (``conformance.run.shapes``: for a spec with trees a tree of N = S + 1 nodes, one of
+    drawn (``conformance.plan.shapes``: for a spec with trees a tree of N = S + 1 nodes, one of
     N = S·k and a chain first; the profile says how many): a batch's greedy outputs equal the
     reference's, so a rule keyed on a shape no named configuration has is seen. Requires
     nothing more; plain decoding: not applicable."""

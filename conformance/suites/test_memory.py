@@ -18,10 +18,10 @@ import random
 import pytest
 
 from conformance.contract import SamplingParams, SpecConfig
+from conformance.plan.requests import context_limit
+from conformance.run.context import SuiteContext
 from conformance.run.driver import Outcome
-from conformance.run.plugin import SuiteContext
 from conformance.run.pressure import PressureWitness, step_kv_need
-from conformance.run.requests import context_limit
 from conformance.suites.support import (
     LONG_PREFILL_CHUNK,
     PAGE_SIZES,

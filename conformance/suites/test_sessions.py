@@ -24,8 +24,8 @@ from typing import Literal, TypeVar
 import pytest
 
 from conformance.contract import SamplingParams
+from conformance.run.context import SuiteContext
 from conformance.run.driver import Driver
-from conformance.run.plugin import SuiteContext
 from conformance.suites.support import (
     PAGE_SIZES,
     assert_matches_oracle,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from conformance.contract import PhaseRecord, SpecConfig
-from conformance.run.plugin import SuiteContext
+from conformance.run.context import SuiteContext
 from conformance.suites.support import assert_matches_oracle, greedy, open_driver, run_all
 
 pytestmark = [pytest.mark.specgate_tier("worker"),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conformance.checks.oracle import NEAR_TIE_EPSILON, ReferenceOracle
-from conformance.run.specs import SPECS
+from conformance.plan.specs import SPECS
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
 from refengine.graph import GraphRunner
 from refengine.graph.cuda_graph import CudaGraphExecutor, CudaGraphs

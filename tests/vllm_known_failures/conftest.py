@@ -18,7 +18,7 @@ import os
 import pytest
 
 from conformance.contract import Backend
-from conformance.run.registry import BackendError, load_backend
+from conformance.plan.registry import BackendError, load_backend
 
 KNOWN_ON = "vllm"
 REFERENCE = "refengine"

@@ -22,7 +22,7 @@ class Profile:
     # the one with the largest per-step KV need (``conformance.run.pressure``).
     pressure_configs: Literal["all", "widest"]
     # Speculative shapes beyond the spec's named configurations the lossless tier runs
-    # (``conformance.run.shapes``).
+    # (``conformance.plan.shapes``).
     drawn_shapes: int
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from functools import cache
 
 from conformance.contract import SamplingParams
-from conformance.run.profiles import Profile
-from conformance.run.prompts import load_prompt_set, long_prompt
+from conformance.plan.profiles import Profile
+from conformance.plan.prompts import load_prompt_set, long_prompt
 from refengine.data import resolve_model_dir
 from refengine.model.loader import load_config
 

@@ -15,7 +15,7 @@ import random
 from collections.abc import Callable
 from dataclasses import replace
 
-from conformance.run.specs import SpecChoice
+from conformance.plan.specs import SpecChoice
 from refengine.config import SpecConfig
 
 MAX_STEPS = 6  # S at most: a little past the named configurations' deepest

@@ -1,31 +1,21 @@
-"""How a command reports a bad argument or an interruption, and the checks every command makes
-before any work (specs, backends, model files)."""
+"""The checks every command makes before any work: specs, backends, model files."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from conformance.plan.usage import UsageError
+
 if TYPE_CHECKING:
     from conformance.contract import Backend
-
-USAGE_ERROR = 2
-INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
-
-
-class UsageError(Exception):
-    """A bad argument or configuration: printed as one line, exit code 2."""
-
-
-class Interrupted(Exception):
-    """The user pressed Ctrl-C: printed as one line (what was kept), exit code 130."""
 
 
 def validate(spec: str, backends: list[str], model: str, draft_model: str | None = None
              ) -> list[Backend]:
     """Everything a command needs, checked before any work: specs, backends, model files;
     -> the backends, loaded."""
-    from conformance.run.registry import BackendError, load_backend
-    from conformance.run.specs import resolve_specs
+    from conformance.plan.registry import BackendError, load_backend
+    from conformance.plan.specs import resolve_specs
     from refengine.data import resolve_model_dir
     from refengine.model.loader import check_draft_dir, check_model_dir
 
