@@ -1,4 +1,4 @@
-"""``conformance.run.driver.Driver``: a backend that stalls fails a check instead of hanging it;
+"""``conformance.repro.driver.Driver``: a backend that stalls fails a check instead of hanging it;
 a finish ``abort`` the suite did not ask for fails."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from conformance.contract import (
     SamplingParams,
     TokenEvent,
 )
-from conformance.run.driver import Driver
+from conformance.repro.driver import Driver
 
 
 class StallingHandle:

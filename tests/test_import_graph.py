@@ -114,6 +114,35 @@ def test_the_contract_imports_only_itself_and_specwire() -> None:
             for t in ts if not t.startswith(("conformance.contract", "specwire"))] == []
 
 
+# The suite's layers, bottom up: what each may import of conformance besides itself (and the
+# contract, specwire and the engine, which every layer may use).
+LAYER_ALLOWS = {
+    "conformance.plan": (),
+    "conformance.report": ("conformance.plan", "conformance.version"),
+    "conformance.checks": ("conformance.plan", "conformance.report", "conformance.version"),
+}
+
+
+def arrows_up(edges: dict[str, set[str]], layer: str, allowed: tuple[str, ...]
+              ) -> list[tuple[str, str]]:
+    """The imports from ``layer`` into conformance packages it may not reach."""
+    own = (layer, "conformance.contract", *allowed)
+    return sorted((m, t) for m, ts in edges.items() if m.startswith(layer)
+                  for t in ts if t.startswith("conformance") and not t.startswith(own))
+
+
+def test_the_layers_import_only_downward() -> None:
+    edges = graph()
+    assert {layer: arrows_up(edges, layer, allowed)
+            for layer, allowed in LAYER_ALLOWS.items()} == {layer: [] for layer in LAYER_ALLOWS}
+
+
+def test_an_upward_arrow_is_found() -> None:
+    edges = {"conformance.report.merge": {"conformance.run.usage", "conformance.plan.specs"}}
+    assert arrows_up(edges, "conformance.report", LAYER_ALLOWS["conformance.report"]) == [
+        ("conformance.report.merge", "conformance.run.usage")]
+
+
 def test_a_cycle_is_found(tmp_path: Path) -> None:
     for name, text in {"conformance/__init__.py": "",
                        "conformance/a.py": "def f():\n    from conformance import b\n",

@@ -21,9 +21,9 @@ from conformance.contract import (
     OpenConfig,
     effective_page_size,
 )
+from conformance.repro.driver import Driver
 from conformance.repro.replay import ActionRunner
 from conformance.repro.scenario import Run
-from conformance.run.driver import Driver
 from conformance.run.suite import SuiteOptions, run_suite
 
 LOSSLESS_PAGE_4 = "test_lossless.py::test_greedy_matches_reference[plain-batch-4]"

@@ -9,9 +9,9 @@ from pathlib import Path
 from conforming_variants import NoAbortBackend
 
 from conformance.contract import Capabilities, OpenConfig, SamplingParams
+from conformance.repro.driver import Driver
 from conformance.repro.record import TIMED_OUT, RecordedRuns, write_repro
 from conformance.repro.scenario import Abort, Step, Submit
-from conformance.run.driver import Driver
 
 CHECK = "test_worker.py::test_filter_to_zero_rows_then_new_arrivals"
 

@@ -17,7 +17,7 @@ import pytest
 from conformance.backends.vllm.memory import PoolShape, PreemptionWatch, pool_shape, read_view
 from conformance.checks.invariants import InvariantError
 from conformance.contract import OpenConfig, ReqKV, Request
-from conformance.run.driver import Driver
+from conformance.repro.driver import Driver
 from specwire import SamplingParams, SpecConfig
 
 # --- stand-ins for vLLM's scheduler (the attributes memory.py reads) -------------------------

@@ -185,7 +185,7 @@ def _driver_verdict(backend: Any) -> str:
     every step and M4/M5 once idle; -> "ok" or the first invariant's message."""
     from conformance.checks.invariants import InvariantError
     from conformance.contract import OpenConfig
-    from conformance.run.driver import Driver
+    from conformance.repro.driver import Driver
     from specwire import SamplingParams
 
     handle = backend.open(OpenConfig(max_running_requests=8))

@@ -34,13 +34,13 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaForCausalLM
 
-from conformance.backends.finish import FinishRule, eos_token_id
 from conformance.backends.queued import QueuedHandle, QueuedJob
 from conformance.contract import (
     Capabilities,
     OpenConfig,
     Request,
 )
+from conformance.contract.finish import FinishRule, eos_token_id
 from refengine.data import resolve_model_dir
 from refengine.sampler import request_seed, sample_one, sampling_probs
 from refengine.speculative.verify import verify_tree_sampling

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from conformance.backends.finish import FinishRule
 from conformance.backends.request_check import check_request
 from conformance.contract import Event, FinishEvent, FinishReason, MemoryView, Request, TokenEvent
+from conformance.contract.finish import FinishRule
 
 # Requests per decoding call when the suite sets no ``max_running_requests``.
 DEFAULT_MAX_BATCH = 64

@@ -40,9 +40,9 @@ from typing import Literal
 import torch
 from tokenizers import Tokenizer
 
-from conformance.backends.finish import stop_string_index
 from conformance.checks.expected import ExpectedOutputs, load_expected
 from conformance.checks.sampling_law import target_law
+from conformance.contract.finish import stop_string_index
 from refengine import Engine, EngineConfig, SamplingParams
 from refengine.data import resolve_model_dir
 

@@ -51,19 +51,15 @@ def _target(spec: str) -> str:
                        "or give module:factory)")
 
 
-def _load_mutant(name: str, launcher: bool) -> Backend:
-    from conformance.backends.mutants import MUTANTS, mutant_backend
-    from conformance.backends.mutants.source_patches import SOURCE_MUTANTS, source_mutant_backend
+MUTANTS_MODULE = "conformance.backends.mutants"  # the bug zoo, resolved by name like BUILTIN
 
+
+def _load_mutant(name: str, launcher: bool) -> Backend:
     try:
-        if name in SOURCE_MUTANTS:
-            return source_mutant_backend(name, launcher)
-        if name not in MUTANTS:
-            raise ValueError(f"unknown mutant {name!r} (known: "
-                             f"{', '.join([*MUTANTS, *SOURCE_MUTANTS])})")
-        return mutant_backend(name)
+        mutant: Backend = importlib.import_module(MUTANTS_MODULE).load_mutant(name, launcher)
     except ValueError as err:
         raise BackendError(str(err)) from None
+    return mutant
 
 
 def load_backend(spec: str, launcher: bool = False) -> Backend:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from conformance.contract import Backend
 from conformance.report.report_dir import REPRO_DIR
+from conformance.repro.driver import Driver
 from conformance.repro.scenario import Run, Scenario, Submit, save
-from conformance.run.driver import Driver
 from specwire.untrusted import contained
 
 MAX_NAME = 120

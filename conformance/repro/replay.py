@@ -34,6 +34,7 @@ from conformance.contract import (
 )
 from conformance.plan.profiles import PROFILES
 from conformance.plan.requests import context_limit
+from conformance.repro.driver import Driver, backend_call, step_budget
 from conformance.repro.scenario import (
     Abort,
     Action,
@@ -45,7 +46,6 @@ from conformance.repro.scenario import (
     Submit,
     describe,
 )
-from conformance.run.driver import Driver, backend_call, step_budget
 
 WAIT_STEPS = 10_000  # how long an action may wait for what it needs to finish
 

@@ -3,7 +3,8 @@
 Each phase of a suite check (setup, the check itself, teardown) gets ``--specgate-case-timeout``
 seconds. Past that, SIGALRM raises ``CaseTimeout`` in the main thread wherever Python code runs,
 and again every ``repeat_interval`` while the phase lasts, so a cleanup that hangs as well is cut
-short too. The driver adds which backend call was running (``conformance.run.driver.backend_call``).
+short too. The driver adds which backend call was running
+(``conformance.repro.driver.backend_call``).
 
 Code that never returns to Python (a native loop, a call that ignores signals) cannot be stopped
 from inside the process. In an xdist worker the native watchdog
@@ -21,6 +22,7 @@ from types import FrameType
 
 import pytest
 
+from conformance.plan.usage import CaseTimeout
 from conformance.run.native_watchdog import NativeWatchdog
 
 # Seconds per phase by profile: far above the slowest gate check on a busy machine
@@ -28,11 +30,6 @@ from conformance.run.native_watchdog import NativeWatchdog
 # inside the first checks that meet them.
 DEFAULT_SECONDS = {"gate": 300.0, "full": 1200.0}
 COMPILED_FACTOR = 4
-
-
-class CaseTimeout(BaseException):
-    """Not an ``Exception``: a backend's ``except Exception`` must not swallow it (pytest
-    reports any BaseException from a check as that check's failure)."""
 
 
 def default_seconds(profile: str, graph_executor: str | None) -> float:

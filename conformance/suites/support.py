@@ -20,8 +20,8 @@ from conformance.plan.requests import (
 )
 from conformance.plan.requests import greedy as greedy  # the tiers' spelling: support.greedy
 from conformance.plan.specs import config_id
+from conformance.repro.driver import Driver, Outcome, backend_call, step_budget
 from conformance.run.context import SuiteContext, context
-from conformance.run.driver import Driver, Outcome, backend_call, step_budget
 from conformance.run.pressure import widest_config
 from refengine.data import fixture_names
 

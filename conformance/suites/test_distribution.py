@@ -88,8 +88,8 @@ from conformance.checks.distribution import (
 )
 from conformance.contract import Backend, OpenConfig, SamplingParams, SpecConfig
 from conformance.plan.specs import SPECS
+from conformance.repro.driver import Driver
 from conformance.run.context import SuiteContext
-from conformance.run.driver import Driver
 
 # Both checks submit every request, then only step to the end (nothing acts between steps):
 # run-to-completion backends are certified too.

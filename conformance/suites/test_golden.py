@@ -41,8 +41,8 @@ from conformance.checks.golden_scenarios import (
 )
 from conformance.contract import SpecConfig
 from conformance.report.certified import accept_histogram
+from conformance.repro.driver import Driver, step_budget
 from conformance.run.context import SuiteContext
-from conformance.run.driver import Driver, step_budget
 from conformance.suites.support import greedy, open_driver, parametrize_spec_configs
 
 pytestmark = [pytest.mark.specgate_tier("golden"),

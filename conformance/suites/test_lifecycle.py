@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 
+from conformance.repro.driver import Driver, Outcome
 from conformance.run.context import SuiteContext
-from conformance.run.driver import Driver, Outcome
 from conformance.suites.support import (
     assert_matches_oracle,
     greedy,

@@ -19,8 +19,8 @@ import pytest
 
 from conformance.contract import SamplingParams, SpecConfig
 from conformance.plan.requests import context_limit
+from conformance.repro.driver import Outcome
 from conformance.run.context import SuiteContext
-from conformance.run.driver import Outcome
 from conformance.run.pressure import PressureWitness, step_kv_need
 from conformance.suites.support import (
     LONG_PREFILL_CHUNK,

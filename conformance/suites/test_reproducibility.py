@@ -36,8 +36,8 @@ import pytest
 
 from conformance.checks.collisions import collision_probability
 from conformance.contract import SamplingParams
+from conformance.repro.driver import Outcome
 from conformance.run.context import SuiteContext
-from conformance.run.driver import Outcome
 from conformance.suites.support import greedy, model_property, open_driver, run_all
 
 pytestmark = [pytest.mark.specgate_tier("reproducibility"),

@@ -4,7 +4,7 @@ KV its session kept, under forced retraction, a turn aborted mid-decode and page
 a turn can end (a stop token, a stop string, EOS, length).
 
 Checked for every turn: the inherited KV it reports is exactly its session's context minus the
-final token (the driver's check, ``conformance/run/driver.py``), its greedy output equals the
+final token (the driver's check, ``conformance/repro/driver.py``), its greedy output equals the
 reference's over the whole context, M1-M3 after every step (the backend's own strict check
 too, for the reference engine), and after the last session is closed the whole pool is free
 (M5). An aborted turn rolls its session back: the next turn's context leaves it out; only the
@@ -24,8 +24,8 @@ from typing import Literal, TypeVar
 import pytest
 
 from conformance.contract import SamplingParams
+from conformance.repro.driver import Driver
 from conformance.run.context import SuiteContext
-from conformance.run.driver import Driver
 from conformance.suites.support import (
     PAGE_SIZES,
     assert_matches_oracle,

@@ -4,7 +4,7 @@ A worked example of certifying an engine specgate's authors did not write (docs/
 "Worked example"). The fixture's HF Llama directory is converted once with CTranslate2's
 transformers converter (float32) into a cache keyed by the directory's content, then decoded
 by ``ctranslate2.Generator.generate_batch``. Finish semantics are refengine's
-(``conformance/backends/finish.py``), applied token by token in the generation callback:
+(``conformance/contract/finish.py``), applied token by token in the generation callback:
 CTranslate2's own end tokens are switched off (``end_token=[]``) and the callback stops a row
 the moment its ``FinishRule`` says so, so EOS, stop tokens, stop strings and the length limit
 finish exactly where refengine finishes.
@@ -26,13 +26,13 @@ import torch
 from tokenizers import Tokenizer
 
 from conformance.backends.ctranslate2.convert import COMPUTE_TYPE, converted_model_dir
-from conformance.backends.finish import FinishRule, eos_token_id
 from conformance.backends.queued import QueuedHandle, QueuedJob
 from conformance.contract import (
     Capabilities,
     OpenConfig,
     Request,
 )
+from conformance.contract.finish import FinishRule, eos_token_id
 from refengine.data import resolve_model_dir
 
 if importlib.util.find_spec("transformers") is None:  # the converter needs it; say so at load

@@ -92,7 +92,7 @@ from conformance.backends.mutants.speculative import (
 )
 from conformance.backends.mutants.tree_shape import TreeMaskWrongWhenNIsSPlus1
 from conformance.backends.refengine import RefEngineBackend, RefEngineHandle
-from conformance.contract import OpenConfig
+from conformance.contract import Backend, OpenConfig
 from refengine import Engine
 
 
@@ -250,3 +250,16 @@ def mutant_backend(name: str) -> MutantBackend:
     if name not in MUTANTS:
         raise ValueError(f"unknown mutant {name!r} (known: {', '.join(MUTANTS)})")
     return MutantBackend(MUTANTS[name])
+
+
+def load_mutant(name: str, launcher: bool) -> Backend:
+    """The mutant ``name`` (a class mutant or a source-patch mutant); ``launcher`` as in
+    ``conformance.plan.registry.load_backend``. An unknown name raises ``ValueError``."""
+    from conformance.backends.mutants.source_patches import SOURCE_MUTANTS, source_mutant_backend
+
+    if name in SOURCE_MUTANTS:
+        return source_mutant_backend(name, launcher)
+    if name not in MUTANTS:
+        raise ValueError(f"unknown mutant {name!r} (known: "
+                         f"{', '.join([*MUTANTS, *SOURCE_MUTANTS])})")
+    return mutant_backend(name)

@@ -46,6 +46,7 @@ from conformance.contract import (
     SamplingParams,
     TokenEvent,
 )
+from conformance.plan.usage import CaseTimeout
 from conformance.repro.scenario import (
     Abort,
     Action,
@@ -55,7 +56,6 @@ from conformance.repro.scenario import (
     Step,
     Submit,
 )
-from conformance.run.case_timeout import CaseTimeout
 
 
 @contextmanager

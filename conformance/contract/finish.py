@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from refengine.config import SamplingParams
-from refengine.request import FinishReason
+from specwire import FinishReason, SamplingParams
 
 
 def stop_string_index(text: str, stops: tuple[str, ...]) -> int | None:
