@@ -27,7 +27,7 @@ def child(spec: str, lane_label: str, executor: str, tokens: int) -> dict[str, o
     """One lane's two runs, in this process."""
     from conformance.contract import OpenConfig
     from conformance.plan.registry import load_backend
-    from refengine.graph import aot
+    from refengine.graph import aot_process
 
     lane = next(ln for ln in lanes_for(spec, ["refengine"]) if ln.label == lane_label)
     start = time.perf_counter()
@@ -35,7 +35,7 @@ def child(spec: str, lane_label: str, executor: str, tokens: int) -> dict[str, o
                                                        graph_executor=executor))
     opened = time.perf_counter() - start
     prompt = load_prompts("tiny-code", 1)
-    loads = len(aot._LOADED)
+    loads = len(aot_process.LOADED)
     runs = []
     for attempt in ("first", "then"):
         start = time.perf_counter()
@@ -45,7 +45,7 @@ def child(spec: str, lane_label: str, executor: str, tokens: int) -> dict[str, o
     builds = len(runner.executor.packages.cache.builds) if executor == "aot" else None
     handle.close()
     return {"lane": lane_label, "open": opened, "first": runs[0], "then": runs[1],
-            "packages": len(aot._LOADED) - loads, "builds": builds}
+            "packages": len(aot_process.LOADED) - loads, "builds": builds}
 
 
 def main() -> None:

@@ -2,7 +2,9 @@
 executors (replay; compiled as one region with the KV write as a custom op; compiled as
 per-layer regions with eager writes), side by side in one process on the ``tiny-code``
 fixture; and compile time per key, cold (empty inductor cache) and warm (a new process on the
-cache the cold compiles filled).
+cache the cold compiles filled). The per-layer variant (``LayersExecutor``) lives here only:
+one compiled call per layer costs a fixed overhead on CPU (guards, wrappers) that eats most of
+what fusing saves, so the engine keeps the one-region "compiled" executor.
 
     python benchmarks/graph_executors.py [--threads 1] [--context 128] [--kv-width W]
                                          [--iters 20] [--profile] [--trap]
@@ -27,17 +29,30 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from refengine.config import SamplingParams
 from refengine.data import resolve_model_dir
-from refengine.graph import GraphRunner, StagedViews, StepInputs
-from refengine.graph.runner import GraphBatch
+from refengine.graph.compile import WarmKeys, own_code
+from refengine.graph.compiled import CompiledExecutor
+from refengine.graph.program import K2, R2, V2, Executor, Program
+from refengine.graph.runner import GraphBatch, GraphRunner
+from refengine.graph.staging import StagedViews, StepInputs, static_attention
+from refengine.graph.target import GraphKey
 from refengine.memory.kv_pool import KVPool
 from refengine.memory.manager import KVManager
-from refengine.model.llama import ForwardBatch, ForwardOutput, LlamaForCausalLM
+from refengine.model.attention import AttentionMetadata
+from refengine.model.llama import (
+    DecoderLayer,
+    ForwardBatch,
+    ForwardOutput,
+    LlamaForCausalLM,
+    RopeAt,
+)
 from refengine.request import Req
 from refengine.runner import ModelRunner
 from refengine.speculative.inputs import VerifyInput
@@ -83,14 +98,107 @@ def make_batch(graph: GraphRunner, kind: str, reqs: list[Req]) -> ForwardBatch:
     return graph.prepare_verify(reqs, verify_input, slots, causal=True)
 
 
+# --- "compiled-layers": the target's forward as per-layer regions, eager KV writes between ---
+
+
+def _head_region(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
+                 rows: torch.Tensor, seq_lens: torch.Tensor, tree_mask: torch.Tensor,
+                 table: torch.Tensor, max_kv: int) -> tuple[torch.Tensor, ...]:
+    """Embedding, attention metadata, the first layer's projections."""
+    x, rope = model.embed(input_ids, positions)
+    attention = static_attention(rows, seq_lens, tree_mask, table, max_kv)
+    q, k, v = model.model.layers[0].project(x, rope)
+    return x, rope.cos, rope.sin, attention.kv_slots, attention.mask, q, k, v
+
+
+def _middle_region(layer: DecoderLayer, following: DecoderLayer, x: torch.Tensor,
+                   q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, kv_slots: torch.Tensor, mask: torch.Tensor
+                   ) -> tuple[torch.Tensor, ...]:
+    """The rest of ``layer`` (its KV written), the projections of ``following``."""
+    x = layer.finish(x, q, k_cache, v_cache, AttentionMetadata(kv_slots, mask))
+    return (x, *following.project(x, RopeAt(cos, sin)))
+
+
+def _tail_region(model: LlamaForCausalLM, last: DecoderLayer, x: torch.Tensor, q: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: torch.Tensor,
+                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rest of the last layer, the final norm, the LM head."""
+    features = model.model.norm(last.finish(x, q, k_cache, v_cache,
+                                            AttentionMetadata(kv_slots, mask)))
+    return model.logits(features), features
+
+
+@dataclass
+class _Regions:
+    head: Callable[..., Any]
+    middle: Callable[..., Any]
+    tail: Callable[..., Any]
+
+
+class LayersExecutor:
+    """The target's decode and verify keys compiled as regions between the KV writes
+    ("attention and MLP of layer l-1, then norm, projections and RoPE of layer l"), the writes
+    eager between them: no custom op, one compiled call per layer. It composes the model's own
+    pieces (``embed``/``logits``, ``DecoderLayer.project``/``finish``);
+    ``tests/test_graph_runner.py`` checks, with the "eager" backend, that it gives the replay's
+    bits. A draft loop beside it runs on the engine's "compiled" executor."""
+
+    name = "compiled-layers"
+    outputs_persist = False  # inductor allocates outputs per call
+
+    def __init__(self, model: LlamaForCausalLM, kv: KVPool, table: torch.Tensor,
+                 backend: str = "inductor") -> None:
+        self.model, self.kv, self.table, self.backend = model, kv, table, backend
+        self._regions: dict[GraphKey, _Regions] = {}
+        self._warm = WarmKeys(freeze_weights=False)
+
+    def _compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return torch.compile(own_code(fn), backend=self.backend, fullgraph=True, dynamic=False)
+
+    def prepare(self, key: GraphKey, views: StagedViews) -> None:
+        self.run(key, views)
+
+    def run(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
+        if key not in self._regions:
+            self._regions[key] = _Regions(self._compile(_head_region),
+                                          self._compile(_middle_region),
+                                          self._compile(_tail_region))
+        with self._warm.settings(key), torch.inference_mode():
+            return ForwardOutput(*self._run_layers(self._regions[key], key, views))
+
+    def pending(self) -> list[GraphKey]:
+        return []
+
+    def sibling(self, program: Program[K2, V2, R2]) -> Executor[K2, V2, R2]:
+        return CompiledExecutor(program, self.backend)
+
+    def _run_layers(self, regions: _Regions, key: GraphKey, views: StagedViews
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        model, kv = self.model, self.kv
+        layers = model.model.layers
+        x, cos, sin, kv_slots, mask, q, k, v = regions.head(
+            model, views.input_ids, views.positions, views.rows, views.seq_lens,
+            views.tree_mask, self.table, key.max_kv)
+        last = len(layers) - 1
+        for i in range(last):
+            kv.write(i, views.out_slots, k, v)  # eager, between two compiled regions
+            x, q, k, v = regions.middle(layers[i], layers[i + 1], x, q, cos, sin,
+                                        kv.k[i], kv.v[i], kv_slots, mask)
+        kv.write(last, views.out_slots, k, v)
+        return regions.tail(model, layers[last], x, q, kv.k[last], kv.v[last], kv_slots, mask)
+
+
 EXECUTORS = ("replay", "compiled", "compiled-layers")
 COMPILED = ("compiled", "compiled-layers")
 
 
 def graphs(runner: ModelRunner, kv_width: int) -> dict[str, GraphRunner]:
     kv_sizes = [kv_width] if kv_width else None
-    return {name: GraphRunner(runner, name, max_bs=MAX_BS, verify_tokens=VERIFY_N,
-                              kv_sizes=kv_sizes) for name in EXECUTORS}
+    layers = LayersExecutor(runner.target, runner.kv.target_pool, runner.kv.rows.table)
+    return {name: GraphRunner(runner, layers if name == "compiled-layers" else name,
+                              max_bs=MAX_BS, verify_tokens=VERIFY_N, kv_sizes=kv_sizes)
+            for name in EXECUTORS}
 
 
 def compile_times(by_name: dict[str, GraphRunner]) -> dict[str, dict[str, float]]:
@@ -148,8 +256,6 @@ def profile_steps(runner: ModelRunner, forward: Callable[[ForwardBatch], Forward
 def trap(runner: ModelRunner, graph: GraphRunner, reqs: list[Req], kv_width: int) -> None:
     """The naive compiled forward: the pool write (``KVPool.write``'s indexing) traced inside
     the compiled region, where functionalization makes it a copy of the whole pool."""
-    from refengine.graph.staging import static_attention
-
     def naive(model: LlamaForCausalLM, pool: KVPool, views: StagedViews, table: torch.Tensor,
               max_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
         attention = static_attention(views.rows, views.seq_lens, views.tree_mask, table, max_kv)

@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 from refengine.data import resolve_model_dir
-from refengine.graph import GraphRunner, aot
-from refengine.graph.executors import GraphKey, whole_forward
+from refengine.graph import aot
+from refengine.graph.runner import GraphRunner
+from refengine.graph.target import GraphKey, whole_forward
 from refengine.memory.manager import KVManager
 from refengine.model.llama import LlamaForCausalLM
 from refengine.runner import ModelRunner
@@ -66,7 +67,7 @@ def main() -> None:
         cache = aot.PackageCache(Path(cache_root), progress=None)
         for name, many_rows in SETTINGS.items():
             aot.MANY_ROWS = many_rows
-            executor = aot.AotExecutor(model, kv.target_pool, table, cache)
+            executor = aot.AotExecutor(graph.program, cache)
             start = time.perf_counter()
             executor.prepare(key, views)
             print(f"{name}: built in {time.perf_counter() - start:.0f} s", flush=True)

@@ -8,8 +8,8 @@ the CLI can print it as one line and callers can tell which knob to fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
+from refengine.graph.executors import EXECUTORS, default_executor, executor_names
 from specwire.params import (
     NGRAM_MAX,
     NGRAM_MIN,
@@ -23,7 +23,7 @@ from specwire.params import (
 __all__ = ["GRAPH_EXECUTORS", "NGRAM_MAX", "NGRAM_MIN", "SPEC_ALGORITHMS", "EngineConfig",
            "SamplingParams", "SpecConfig"]
 
-GRAPH_EXECUTORS = ("compiled", "frozen", "replay", "cuda", "aot")  # EngineConfig.graph_executor's
+GRAPH_EXECUTORS = executor_names()  # EngineConfig.graph_executor's (the executor registry's)
 
 
 @dataclass(frozen=True)
@@ -41,17 +41,12 @@ class EngineConfig:
     strict_mem_check: bool = True
     # Target decode and verify forwards (and the draft loops) through the graph runner
     # (refengine/graph/): staged on static bucket-padded buffers and run by
-    # ``graph_executor``: "cuda" (each key captured as a CUDA graph and replayed; the default
-    # on a CUDA device), "aot" (weights folded in, compiled once per machine into
-    # AOTInductor packages that later processes load without compiling, called without
-    # Dynamo: the fastest on a CPU and the default there; refengine/graph/aot.py),
-    # "compiled" (torch.compile per key; first use of a key compiles it, once per machine
-    # thanks to inductor's cache, then Dynamo traces it again in every process), "frozen"
-    # (the weights folded into each key, as "aot", but every process compiles each key again)
-    # or "replay" (the captured callable run eagerly on the static buffers: staging and
-    # padding under test, no speed-up). None: the device's default.
+    # ``graph_executor``, a name of the executor registry (refengine/graph/executors.py, which
+    # says what each one is and on which device it runs): "cuda" (CUDA graphs, the default on
+    # a CUDA device), "aot" (AOTInductor packages compiled once per machine, the default on a
+    # CPU), "compiled", "frozen" or "replay". None: the device's default.
     cuda_graph: bool = False
-    graph_executor: Literal["compiled", "frozen", "replay", "cuda", "aot"] | None = None
+    graph_executor: str | None = None
     seed: int = 0
     retract_every: int = 0  # test hook: retract the middle decoding request every N decode steps
     # Overlap scheduling (SpecConfig(overlap=True)): run each decode step's forwards on a worker
@@ -93,13 +88,8 @@ class EngineConfig:
         require(isinstance(self.cuda_graph, bool), "cuda_graph",
                  f"must be a bool, got {self.cuda_graph!r}")
         if self.graph_executor is None:  # frozen dataclass: resolve the default once, here
-            object.__setattr__(self, "graph_executor",
-                               "cuda" if self.device.startswith("cuda") else "aot")
+            object.__setattr__(self, "graph_executor", default_executor(self.device))
         require(self.graph_executor in GRAPH_EXECUTORS, "graph_executor",
                  f"must be one of {', '.join(GRAPH_EXECUTORS)}, got {self.graph_executor!r}")
-        on_gpu = self.device.startswith("cuda")
-        require(on_gpu or self.graph_executor != "cuda", "graph_executor",
-                 f"'cuda' (CUDA graphs) needs device 'cuda[:N]', got {self.device!r}")
-        require(not on_gpu or self.graph_executor not in ("frozen", "aot"), "graph_executor",
-                 f"{self.graph_executor!r} folds the weights into CPU GEMM templates; on a GPU "
-                 "use 'cuda', 'compiled' or 'replay'")
+        problem = EXECUTORS[self.graph_executor].device_problem(self.device)
+        require(problem is None, "graph_executor", str(problem))

@@ -39,7 +39,7 @@ from refengine.model.llama import LlamaForCausalLM
 from refengine.model.standalone_draft import StandaloneDraftModel
 from refengine.output import OutputProcessor
 from refengine.request import FinishReason, Req
-from refengine.runner import ModelRunner
+from refengine.runner import ModelRunner, Runner
 from refengine.sampler import request_seed, select_tokens
 from refengine.scheduler import ScheduledBatch, Scheduler
 from refengine.speculative.core import SpeculativeWorker
@@ -54,7 +54,7 @@ from refengine.step import StepResult
 
 Prompt = str | Sequence[int]
 DraftClass = type[EagleDraftModel] | type[FrozenKVMTPDraftModel] | type[StandaloneDraftModel]
-DrafterClass = Callable[[SpecConfig, ModelRunner], Drafter[Any]]
+DrafterClass = Callable[[SpecConfig, Runner], Drafter[Any]]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -210,42 +210,63 @@ class Engine:
         resolved); everything else is resolved at once, oldest first. Every launch is joined
         before ``step`` returns, so callers never race a running forward."""
         events, self._pending = self._pending, []
-        launched = None
+        batch = self._schedule(events)
+        launched = self._launch_beside_previous(batch, events)
+        self._resolve_or_hold(launched, events)
+        if self.config.strict_mem_check:
+            self.kv.strict_check(self.memory())
+        return events
+
+    def _schedule(self, events: list[Event]) -> ScheduledBatch | None:
+        """Pick the batch (its pre-claimed roots held until it is resolved) and report the
+        requests retracted to make room for it."""
         with self.clock.timed("schedule"):
             batch = self.scheduler.schedule()
-            # until this step is resolved
-            self.output.claimed = set() if batch is None else set(batch.claimed)
-        running: Future[StepResult] | None = None
-        if batch is not None:
-            for r in batch.retracted:
-                events.append(RetractEvent(r.rid))
-                if self.worker is not None:
-                    self.worker.drop(r.rid)
-            if batch.reqs and self._launcher is not None and batch.mode == "decode":
-                # Graphs the launch thread needed first are captured here, on this thread,
-                # while nothing else runs (a capture beside the resolve below would race it).
-                self.runner.capture_pending()
-                running = self._launcher.submit(self.launch, batch)
-            elif batch.reqs:
-                launched = self.launch(batch)
-        if running is not None:
-            # Resolve the previous step while this one runs; the requests it reads keep their
-            # rows and draft state until it is joined.
-            with self.output.deferring_release():
-                if self._in_flight is not None:
-                    self.output.resolve(self._in_flight, events)
-                    self._in_flight = None
-                launched = running.result()
-        elif self._in_flight is not None:
+            self.output.hold_claims([] if batch is None else batch.claimed)
+        for r in [] if batch is None else batch.retracted:
+            events.append(RetractEvent(r.rid))
+            if self.worker is not None:
+                self.worker.drop(r.rid)
+        return batch
+
+    def _launch_beside_previous(self, batch: ScheduledBatch | None, events: list[Event]
+                                ) -> StepResult | None:
+        """Launch ``batch`` and resolve the step still in flight: while the launch runs on
+        the launch thread, else after it. The requests the running launch reads keep their
+        rows and draft state until it is joined."""
+        if batch is None or not batch.reqs:
+            self._resolve_in_flight(events)
+            return None
+        launcher = self._launcher
+        if launcher is None or batch.mode != "decode":
+            launched = self.launch(batch)
+            self._resolve_in_flight(events)
+            return launched
+        running = self._launch_on_thread(launcher, batch)
+        with self.output.deferring_release():
+            self._resolve_in_flight(events)
+            return running.result()
+
+    def _launch_on_thread(self, launcher: ThreadPoolExecutor, batch: ScheduledBatch
+                          ) -> Future[StepResult]:
+        """Graphs the launch thread needed first are captured here, on this thread, while
+        nothing else runs (a capture beside the resolve that follows would race it)."""
+        self.runner.capture_pending()
+        return launcher.submit(self.launch, batch)
+
+    def _resolve_in_flight(self, events: list[Event]) -> None:
+        """Resolve the overlap step launched by the previous engine step, if one is waiting."""
+        if self._in_flight is not None:
             self.output.resolve(self._in_flight, events)
             self._in_flight = None
+
+    def _resolve_or_hold(self, launched: StepResult | None, events: list[Event]) -> None:
+        """An overlap step stays in flight until the next engine step; any other is resolved
+        now."""
         if launched is not None and launched.overlap:
             self._in_flight = launched
         elif launched is not None:
             self.output.resolve(launched, events)
-        if self.config.strict_mem_check:
-            self.kv.strict_check(self.memory())
-        return events
 
     def launch(self, batch: ScheduledBatch) -> StepResult:
         """Run the batch's forwards into the slots schedule allocated; request state changes

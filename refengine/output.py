@@ -11,7 +11,7 @@ the only code that appends output tokens or finishes a request.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from refengine.events import Event, FinishEvent, TokenEvent
@@ -42,7 +42,13 @@ class OutputProcessor:
         # step pre-claimed. One that finishes before that step is resolved gives the claim
         # back at its finish, so its committed KV is exactly its tokens' (what a session
         # keeps); the step's result for it is then stale and changes nothing.
-        self.claimed: set[Req] = set()
+        self._claimed: set[Req] = set()
+
+    def hold_claims(self, reqs: Iterable[Req]) -> None:
+        """At schedule: the requests whose root slot the step just scheduled pre-claimed
+        (none outside overlap scheduling) become the claims a finish gives back, replacing
+        the previous step's."""
+        self._claimed = set(reqs)
 
     @contextmanager
     def deferring_release(self) -> Iterator[None]:
@@ -126,8 +132,8 @@ class OutputProcessor:
         req.status = ReqStatus.FINISHED
         del self.live[req.rid]
         self.scheduler.remove(req)
-        if req in self.claimed:
-            self.claimed.discard(req)
+        if req in self._claimed:
+            self._claimed.discard(req)
             self.kv.unclaim(req)
         self._release(req)
         text = self.decode(req.output_ids)

@@ -12,6 +12,7 @@ batches its captured graphs replay (its staging and draft loop make their own).
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -25,19 +26,76 @@ from refengine.model.standalone_draft import StandaloneDraftModel
 from refengine.request import Req
 from refengine.speculative.inputs import DraftExtendInput, VerifyInput
 
+if TYPE_CHECKING:
+    from refengine.graph.draft_loop import DraftLoopGraph
+
+DraftNet = EagleDraftModel | FrozenKVMTPDraftModel | StandaloneDraftModel
+
+
+class Runner(Protocol):
+    """What the engine and its speculative workers call on a runner: its parts, the batches it
+    builds, the forwards it runs and the draft graphs it replays. ``ModelRunner`` is the eager
+    one; ``GraphRunner`` (``refengine/graph/runner.py``) wraps one and replays the target's
+    decode and verify forwards and whole draft steps on graphs."""
+
+    @property
+    def target(self) -> LlamaForCausalLM: ...
+    @property
+    def draft(self) -> DraftNet | None: ...
+    @property
+    def kv(self) -> KVManager: ...
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def draft_loop(self) -> DraftLoopGraph | None:
+        """The graph that replays a whole draft step; None: the worker drafts forward by
+        forward."""
+
+    @property
+    def draft_extend(self) -> DraftLoopGraph | None:
+        """The graph that replays an EAGLE draft-extend; None: it runs eagerly."""
+
+    def capture_pending(self) -> None:
+        """Capture the graphs a launch thread needed first (on the engine's thread)."""
+
+    def prepare_extend(self, reqs: list[Req], lens: list[int], ids: list[int],
+                       sample_at: list[int]) -> ForwardBatch: ...
+    def prepare_score(self, req: Req, ids: list[int], slots: torch.Tensor, last_only: bool
+                      ) -> ForwardBatch: ...
+    def prepare_verify(self, reqs: list[Req], verify_input: VerifyInput, slots: torch.Tensor,
+                       causal: bool) -> ForwardBatch: ...
+    def forward(self, batch: ForwardBatch) -> ForwardOutput: ...
+    def prepare_draft_prefill(self, target_batch: ForwardBatch, next_ids: torch.Tensor,
+                              last_rows: torch.Tensor) -> ForwardBatch: ...
+    def prepare_draft_step(self, reqs: list[Req], tokens: torch.Tensor, positions: torch.Tensor,
+                           slots: torch.Tensor, width: int, seen: list[int],
+                           masks: list[torch.Tensor] | None = None) -> ForwardBatch: ...
+    def prepare_draft_extend(self, reqs: list[Req], accepted: DraftExtendInput, ends: list[int]
+                             ) -> ForwardBatch: ...
+    def prepare_tail(self, reqs: list[Req], ids: torch.Tensor, lens: list[int],
+                     ends: list[int]) -> ForwardBatch: ...
+    def forward_draft(self, batch: ForwardBatch, features: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def forward_draft_model(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def prepare_frozen_draft(self, reqs: list[Req], seq_lens: list[int], width: int
+                             ) -> ForwardBatch: ...
+    def forward_frozen_draft(self, batch: ForwardBatch, tokens: torch.Tensor,
+                             hidden: torch.Tensor, rows: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 class ModelRunner:
-    # A runner that replays whole draft steps (the graph runner's ``DraftLoopGraph``); the
-    # eager runner has none, so workers draft forward by forward.
-    draft_loop = None
-    draft_extend = None  # ... and EAGLE draft-extends (``GraphRunner.draft_extend``)
+    """The eager ``Runner``: every forward runs the models directly; it replays no graphs."""
 
-    def __init__(self, target: LlamaForCausalLM,
-                 draft: EagleDraftModel | FrozenKVMTPDraftModel | StandaloneDraftModel | None,
-                 kv: KVManager) -> None:
+    def __init__(self, target: LlamaForCausalLM, draft: DraftNet | None, kv: KVManager) -> None:
         self.target = target
         self.draft = draft
         self.kv = kv
+        # The eager runner replays no draft step and no draft-extend: the workers draft and
+        # extend forward by forward.
+        self.draft_loop: DraftLoopGraph | None = None
+        self.draft_extend: DraftLoopGraph | None = None
 
     @property
     def device(self) -> torch.device:
@@ -49,7 +107,7 @@ class ModelRunner:
         return from_host(values, self.device)
 
     def capture_pending(self) -> None:
-        """Nothing to capture: the eager runner has no graphs (``GraphRunner`` has)."""
+        """The eager runner records no graphs, so none waits for capture."""
 
     def attention_metadata(self, rows: torch.Tensor, extend_lens: list[int],
                            seq_lens: list[int], masks: list[torch.Tensor] | None = None

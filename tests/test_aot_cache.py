@@ -18,20 +18,18 @@ import pytest
 import torch
 
 from conformance.cli import main
-from refengine.graph import aot, aot_store
+from refengine.graph import aot, aot_process, aot_store
 from refengine.graph.aot import (
     AotPackages,
-    ArtefactKey,
-    PackageCache,
-    cache_dir,
     code_digest,
-    open_limits,
     package_settings,
-    register_tables,
     signature,
     weights_digest,
 )
+from refengine.graph.aot_format import SHARED_WEIGHTS, ArtefactKey, cache_dir
+from refengine.graph.aot_store import PackageCache
 from refengine.graph.compile import FROZEN_WEIGHTS
+from refengine.graph.export import open_limits, register_tables
 from refengine.model.llama import Rotary
 
 KEY = ArtefactKey("decode-b1-kv256", "w" * 64, "torch.int64[1]@cpu", "{}", "2.13.0", "AVX2", 2,
@@ -51,8 +49,8 @@ def fake_packages(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return path
 
     monkeypatch.setattr(aot_store, "open_package", load)
-    for state in ("_LOADED", "_BLOBS", "_PENDING", "_WARNED"):  # as a fresh process's
-        monkeypatch.setattr(aot_store, state, type(getattr(aot_store, state))())
+    for state in ("LOADED", "BLOBS", "PENDING", "WARNED"):  # as a fresh process's
+        monkeypatch.setattr(aot_process, state, type(getattr(aot_process, state))())
     return loaded
 
 
@@ -75,7 +73,7 @@ def test_built_once_then_loaded(tmp_path: Path, fake_packages: list[str]) -> Non
     first = cache.load_or_build(KEY, write_package)
     same_process = PackageCache(tmp_path)  # another engine: the package loaded already
     assert same_process.load_or_build(KEY, write_package) is first and len(fake_packages) == 1
-    aot_store._LOADED.clear()  # a later process
+    aot_process.LOADED.clear()  # a later process
     again = PackageCache(tmp_path)
     again.load_or_build(KEY, lambda p: pytest.fail("a cached key was built again"))
     assert (len(cache.builds), len(again.builds)) == (1, 0) and len(fake_packages) == 2
@@ -116,7 +114,7 @@ def test_the_gemm_kernels_follow_the_rows_a_key_multiplies() -> None:
     weights folded in either way. The choice is part of the artefact's name, so a package
     built one way is never loaded for the other."""
     few, many = package_settings(aot.MANY_ROWS - 1), package_settings(aot.MANY_ROWS)
-    assert few == {**FROZEN_WEIGHTS, **aot_store.SHARED_WEIGHTS}
+    assert few == {**FROZEN_WEIGHTS, **SHARED_WEIGHTS}
     assert many["freezing"] and "max_autotune_gemm_backends" not in many
     packages = AotPackages(torch.nn.Module(), PackageCache(progress=None))
     names = {packages.artefact_key("verify-b8", [torch.zeros(2)], [None], rows).file_name()
@@ -171,7 +169,7 @@ def test_a_failed_build_leaves_nothing(tmp_path: Path, fake_packages: list[str])
     with pytest.raises(RuntimeError, match="compiler died"):
         cache.load_or_build(KEY, half_then_fail)
     assert [p.name for p in cache.root.iterdir()] == [f".lock-{KEY.file_name()}"]
-    assert not aot_store._PENDING  # nothing was loaded, so nothing is marked as loading
+    assert not aot_process.PENDING  # nothing was loaded, so nothing is marked as loading
 
 
 def test_a_key_being_built_elsewhere_is_waited_for_then_loaded(
@@ -235,19 +233,19 @@ def test_a_compiled_key_loads_in_a_later_executor_without_compiling(tmp_path: Pa
     and a second executor (a later process) loads it from the cache."""
     from refengine import Engine, EngineConfig
     from refengine.graph.aot import AotExecutor
-    from refengine.graph.executors import GraphKey
+    from refengine.graph.target import GraphKey
 
     engine = Engine(EngineConfig(cuda_graph=True, graph_executor="replay",
                                  max_running_requests=1))
     runner = engine.runner
-    kv, table = runner.kv.target_pool, runner.kv.rows.table
+    kv = runner.kv.target_pool
     key = GraphKey("decode", 1, 256)
     views = runner.staging["decode"].stage(None, 1)
     with torch.inference_mode():
-        want = runner.static_forward(key, views)
+        want = runner.program.run(key, views)
     written = kv.k[:, 0].clone()  # the padding row's K, in the dummy slot
     kv.k[:, 0] = 0.0
-    first = AotExecutor(runner.target, kv, table, PackageCache(tmp_path))
+    first = AotExecutor(runner.program, PackageCache(tmp_path))
     got = first.run(key, views)
     assert len(first.packages.cache.builds) == 1
     torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
@@ -255,9 +253,9 @@ def test_a_compiled_key_loads_in_a_later_executor_without_compiling(tmp_path: Pa
     package = first.packages.cache.entries()[0]
     blobs = sorted((first.packages.cache.root / "weights").iterdir())
     assert package.stat().st_size < sum(b.stat().st_size for b in blobs)  # code, not weights
-    aot_store._LOADED.clear()  # a later process: it loads the package from disk
-    aot_store._BLOBS.clear()
-    later = AotExecutor(runner.target, kv, table, PackageCache(tmp_path))
+    aot_process.LOADED.clear()  # a later process: it loads the package from disk
+    aot_process.BLOBS.clear()
+    later = AotExecutor(runner.program, PackageCache(tmp_path))
     start = time.perf_counter()
     torch.testing.assert_close(later.run(key, views).logits, got.logits)
     assert not later.packages.cache.builds and time.perf_counter() - start < 2.0

@@ -29,16 +29,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conformance.cli import main
-from refengine.graph import aot, aot_store
+from refengine.graph import aot, aot_format, aot_process, aot_store
 from refengine.graph.aot import AotPackages
-from refengine.graph.aot_store import (
+from refengine.graph.aot_format import (
     ArtefactKey,
     CacheConfigError,
     CannotBuild,
-    PackageCache,
     budget_bytes,
     sidecar_of,
 )
+from refengine.graph.aot_store import PackageCache
+from refengine.graph.compiled import CompiledKey
 from tests.test_loader_fuzz import mutated
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,8 +82,8 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> list[Runner]:
 
 def later_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process's cache state as a fresh process's: nothing loaded, read or warned."""
-    for state in ("_LOADED", "_BLOBS", "_PENDING", "_WARNED"):
-        monkeypatch.setattr(aot_store, state, type(getattr(aot_store, state))())
+    for state in ("LOADED", "BLOBS", "PENDING", "WARNED"):
+        monkeypatch.setattr(aot_process, state, type(getattr(aot_process, state))())
 
 
 def write_package(path: Path) -> None:
@@ -256,7 +257,7 @@ def test_the_weights_are_kept_once_beside_the_packages_and_checked(
 CHILD = """
 import json, os, sys
 from pathlib import Path
-from refengine.graph import aot_store
+from refengine.graph import aot_format, aot_store
 
 class Crashes:
     def run(self, inputs):
@@ -271,7 +272,7 @@ def build(path):
     path.write_bytes(b"package")
 
 aot_store.open_package = open_package
-key = aot_store.ArtefactKey(**json.loads(sys.argv[3]))
+key = aot_format.ArtefactKey(**json.loads(sys.argv[3]))
 package = aot_store.PackageCache(Path(sys.argv[1]), progress=None).load_or_build(key, build)
 package.run([])
 """
@@ -308,7 +309,7 @@ def test_a_package_loaded_and_called_leaves_no_marker(tmp_path: Path,
     assert not cache.markers()
     cache.load_or_build(replace(KEY, threads=8), write_package)
     assert len(cache.markers()) == 1
-    aot_store._unmark_pending()  # what the process's exit runs
+    aot_process.unmark_pending()  # what the process's exit runs
     assert not cache.markers()
 
 
@@ -321,8 +322,8 @@ def test_a_marker_of_a_running_process_is_left_alone(tmp_path: Path,
         try:
             marker = cache.root / "loading" / f"{KEY.file_name()}.{other.pid}"
             marker.write_text(json.dumps({"pid": other.pid, "host": os.uname().nodename,
-                                          "started": aot_store._process_start(other.pid)}))
-            aot_store._LOADED.clear()
+                                          "started": aot_process.process_start(other.pid)}))
+            aot_process.LOADED.clear()
             cache.load_or_build(KEY, not_again)
             assert marker.exists()
         finally:
@@ -334,12 +335,12 @@ def test_a_process_that_ended_is_dead_even_unreaped() -> None:
     host = os.uname().nodename
     with subprocess.Popen([sys.executable, "-c", "pass"]) as ended:
         deadline = time.monotonic() + 60
-        while (aot_store._proc_stat(ended.pid) or ["Z"])[0] != "Z" \
+        while (aot_process.proc_stat(ended.pid) or ["Z"])[0] != "Z" \
                 and time.monotonic() < deadline:  # until it has ended, not waited for
             time.sleep(0.01)
-        assert not aot_store._alive(ended.pid, host, None)
-    assert aot_store._alive(os.getpid(), host, aot_store._process_start(os.getpid()))
-    assert not aot_store._alive(os.getpid(), host, "a start time of another process")
+        assert not aot_process.alive(ended.pid, host, None)
+    assert aot_process.alive(os.getpid(), host, aot_process.process_start(os.getpid()))
+    assert not aot_process.alive(os.getpid(), host, "a start time of another process")
 
 
 # --- a cache this process cannot write -----------------------------------------------------
@@ -410,7 +411,7 @@ def test_a_read_only_cache_runs_what_it_cannot_build_in_memory_with_one_warning(
         tmp_path: Path, opened: list[Runner], monkeypatch: pytest.MonkeyPatch,
         read_only: Callable[[Path], None]) -> None:
     """A key with no package, and a damaged one that cannot be deleted: each runs compiled in
-    this process (as ``InMemoryKey``), the two together said in one warning line, no
+    this process (as a ``CompiledKey``), the two together said in one warning line, no
     traceback."""
     monkeypatch.setattr(aot, "FALLBACK_BACKEND", "eager")  # dynamo only: no code generated
     cache = PackageCache(tmp_path, progress=(said := io.StringIO()))
@@ -423,7 +424,7 @@ def test_a_read_only_cache_runs_what_it_cannot_build_in_memory_with_one_warning(
         packages.load(label, label, PlusOne, [torch.zeros(2)], rows=1)
         [got] = packages.run(label, [torch.zeros(2)])
         torch.testing.assert_close(got, torch.ones(2))
-        assert isinstance(packages._loaded[label], aot.InMemoryKey)
+        assert isinstance(packages._loaded[label], CompiledKey)
     [line] = said.getvalue().splitlines()
     assert line.startswith("specgate: warning: cannot build plus-one: the cache directory ")
     assert "is not writable (Permission denied)" in line and "compiled in memory" in line
@@ -475,12 +476,12 @@ def test_past_the_budget_the_least_recently_used_are_evicted(
 
 def test_the_budget_setting_is_checked(monkeypatch: pytest.MonkeyPatch,
                                        capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.delenv(aot_store.BUDGET_ENV, raising=False)
+    monkeypatch.delenv(aot_format.BUDGET_ENV, raising=False)
     assert budget_bytes() == 4 * 10**9
-    monkeypatch.setenv(aot_store.BUDGET_ENV, "0.5")
+    monkeypatch.setenv(aot_format.BUDGET_ENV, "0.5")
     assert budget_bytes() == 5 * 10**8
     for bad in ("lots", "0", "-1", "nan", "inf"):
-        monkeypatch.setenv(aot_store.BUDGET_ENV, bad)
+        monkeypatch.setenv(aot_format.BUDGET_ENV, bad)
         with pytest.raises(CacheConfigError, match=r"SPECGATE_CACHE_MAX_GB must be a positive"):
             PackageCache()
     assert main(["cache", "info"]) == 2
@@ -527,7 +528,7 @@ def test_prune_removes_what_this_code_can_never_load(tmp_path: Path, opened: lis
 def test_info_and_clear(tmp_path: Path, opened: list[Runner], monkeypatch: pytest.MonkeyPatch,
                         capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv(aot.CACHE_ENV, str(tmp_path))
-    monkeypatch.setenv(aot_store.BUDGET_ENV, "2.5")
+    monkeypatch.setenv(aot_format.BUDGET_ENV, "2.5")
     cache = PackageCache()
     cache.load_or_build(KEY, with_constants({"w": torch.zeros(256)}))
     pid = dead_pid()

@@ -7,30 +7,33 @@ import contextlib
 import io
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from conformance.contract import Capabilities
+from conformance.plan.run_plan import RunPlan
 from conformance.plan.specs import SPECS
-from conformance.report.certificate import build_certificate, render_markdown, write_reports
+from conformance.report.certificate import build_certificate
 from conformance.report.certified import accept_histogram, config_of, config_record
+from conformance.report.markdown import render_markdown, write_reports
 from conformance.report.report_dir import ReportDir
+from conformance.report.results import BackendIdentity, CheckRow, JsonValue, RunResults
+from conformance.report.results_json import read_results
 from conformance.run.suite import SuiteOptions, suite_args
 
 CONFIGS = [config_record(c) for c in SPECS["eagle"].configs]
 
 
-def check(nodeid: str, tier: str, **figures: object) -> dict[str, object]:
-    return {"nodeid": nodeid, "tier": tier, "requires": "algorithm:eagle", "outcome": "passed",
-            "duration": 0.5, "message": "", "figures": figures}
+def check(nodeid: str, tier: str, **figures: JsonValue) -> CheckRow:
+    return CheckRow(nodeid, tier, "passed", 0.5, "algorithm:eagle", "", figures)
 
 
-RESULTS = {
-    "backend": {"name": "b", "version": "2.1", "resolved_from": "pkg:b"},
-    "capabilities": {"algorithms": ["eagle"]}, "spec": "eagle", "profile": "gate",
-    "configurations": CONFIGS, "precision": "bfloat16", "case_timeout": 300.0,
-    "vacuous": None, "interrupted": False,
-    "checks": [
+RESULTS = RunResults(
+    BackendIdentity("b", "2.1", "pkg:b"), Capabilities(algorithms=frozenset({"eagle"})),
+    "eagle", "gate", configurations=tuple(CONFIGS), precision="bfloat16", case_timeout=300.0,
+    checks=(
         check("test_lossless.py::test_greedy_matches_reference[chain-s3-n4-batch-1]", "lossless",
               tau=2.0, near_ties=["r1: index 5 (margin 2e-4)"]),
         check("test_lossless.py::test_greedy_matches_reference[chain-s3-n4-batch-4]", "lossless",
@@ -41,7 +44,7 @@ RESULTS = {
               mean_tau=2.5, golden_mean_tau=2.6, accept_hist={"1": 3, "2": 1, "4": 4},
               golden_accept_hist={"1": 2, "2": 2, "4": 4}),
         check("test_memory.py::test_invariants_under_pressure[1]", "memory", retractions=4),
-    ]}
+    ))
 
 
 def test_report_json_has_what_was_certified(tmp_path: Path) -> None:
@@ -57,7 +60,7 @@ def test_report_json_has_what_was_certified(tmp_path: Path) -> None:
     assert (first["golden_tau"], first["golden_reference_tau"]) == (2.5, 2.6)
     assert first["accept_hist"] == {"1": 3, "2": 1, "4": 4}
     assert (second["tau"], second["golden_tau"], second["accept_hist"]) == (4.5, None, {})
-    assert cert["near_ties"] == [{"check": RESULTS["checks"][0]["nodeid"],
+    assert cert["near_ties"] == [{"check": RESULTS.checks[0].nodeid,
                                   "near_tie": "r1: index 5 (margin 2e-4)"}]
 
 
@@ -84,8 +87,7 @@ def test_report_md_shows_it_and_acceptance_png_is_beside_it(tmp_path: Path) -> N
 
 
 def test_no_golden_tier_no_chart() -> None:
-    results = {**RESULTS, "checks": RESULTS["checks"][:3]}
-    cert = build_certificate(results)
+    cert = build_certificate(replace(RESULTS, checks=RESULTS.checks[:3]))
     assert not cert.acceptance_panels and cert.plot_skipped is None  # nothing to draw
     assert "No accept-length histogram: the golden tier did not run" in render_markdown(cert)
 
@@ -118,13 +120,13 @@ def test_the_plugin_records_the_configurations_and_precision(
         tmp_path: Path, random_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     results = tmp_path / "results.json"
-    opts = SuiteOptions("refengine", "none", "gate", str(random_model_dir))
+    opts = SuiteOptions(RunPlan("refengine", ("none",), model=str(random_model_dir)))
     with contextlib.redirect_stdout(io.StringIO()):
         pytest.main([*suite_args(opts, results, None), "-k", "test_max_new_tokens"])
     written = json.loads(results.read_text())
     assert written["configurations"] == [{"id": "plain", "algorithm": "none"}]
     assert written["precision"] == "float32" and written["case_timeout"] == 300.0
-    md = render_markdown(build_certificate(written))
+    md = render_markdown(build_certificate(read_results(results)))
     assert "| `plain` | none | — | — | — | — | — | — | — |" in md
 
 
@@ -138,7 +140,7 @@ def test_the_environment_on_the_cpu(tmp_path: Path) -> None:
     assert env["dtype"] == "bfloat16"
     assert isinstance(env["tf32_matmul"], bool) and isinstance(env["tf32_cudnn"], bool)
     assert env["float32_matmul_precision"] in ("highest", "high", "medium")
-    write_reports(build_certificate({**RESULTS, "device": "cpu", "environment": env}), tmp_path)
+    write_reports(build_certificate(replace(RESULTS, device="cpu", environment=env)), tmp_path)
     cert = json.loads((tmp_path / "report.json").read_text())
     assert cert["device"] == "cpu"
     assert {k: cert["environment"][k] for k in env} == env
@@ -179,7 +181,7 @@ def test_the_driver_version_without_nvidia_smi() -> None:
 def test_an_interrupted_run_marks_the_tiers_it_cut_short() -> None:
     """A tier whose checks did not all finish is "incomplete" with how many did not run, never
     "passed"; one that finished whole keeps its status; one that never started is listed."""
-    from conformance.report.certificate import build_certificate, tier_table
+    from conformance.report.markdown import tier_table
     from tests.test_merge import results
 
     res = results("none", [("test_lossless.py::a", "passed", 1.0),
@@ -194,5 +196,5 @@ def test_an_interrupted_run_marks_the_tiers_it_cut_short() -> None:
     assert cert.status == "incomplete"
     assert "| lossless | 2 of 2 |" in tier_table(cert)
     # a run that was not interrupted ignores what was collected
-    whole = build_certificate({**res, "interrupted": False})
+    whole = build_certificate(replace(res, interrupted=False))
     assert {t.tier for t in whole.tiers} == {"fuzz", "lossless"}

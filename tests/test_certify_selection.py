@@ -12,12 +12,14 @@ import pytest
 from conformance.backends.refengine import RefEngineBackend
 from conformance.backends.refengine.adapter import RefEngineHandle
 from conformance.contract import Capabilities, OpenConfig
+from conformance.plan.run_plan import RunPlan, claimed_specs
 from conformance.plan.specs import SPECS
 from conformance.plan.usage import UsageError
-from conformance.report.certificate import build_certificate, render_markdown
+from conformance.report.certificate import build_certificate
+from conformance.report.markdown import render_markdown
 from conformance.report.report_dir import ReportDir, ReportDirError
+from conformance.report.results import RunResults
 from conformance.repro.record import TIMED_OUT
-from conformance.run.certify import claimed_specs
 from conformance.run.only import parse_only
 from conformance.run.suite import SuiteOptions, SuiteRun, suite_args, suite_dir
 from tests.test_cli import assert_usage_error, run
@@ -96,7 +98,7 @@ def test_a_backend_open_that_crashes_is_left_to_the_checks(
     """Only ``ValueError`` is the contract's refusal: any other error at open is a backend bug
     the suite's checks report, so the probe neither hides nor reports it."""
     from conformance.contract import OpenConfig as Cfg
-    from conformance.run.certify import refuses_model as probe
+    from conformance.plan.preflight import refuses_model as probe
 
     opened: list[Cfg] = []
 
@@ -132,8 +134,9 @@ def test_a_bare_certify_certifies_every_claimed_spec(
     ran: list[str] = []
 
     def fake_run(opts: SuiteOptions, *args: object, **kwargs: object) -> SuiteRun:
-        ran.append(opts.spec)
-        return SuiteRun(0, results(opts.spec, [("test_a.py::x", "passed", 1.0)]), False)
+        (spec,) = opts.plan.specs
+        ran.append(spec)
+        return SuiteRun(0, results(spec, [("test_a.py::x", "passed", 1.0)]), False)
 
     monkeypatch.setattr(conformance.run.suite, "run_suite", fake_run)
     code, _, err = run(capsys, "certify", "--backend", backend, "--model",
@@ -152,8 +155,8 @@ def test_parse_only() -> None:
 
 
 def test_only_runs_the_suite_modules_it_names(tmp_path: Path) -> None:
-    opts = SuiteOptions("refengine", "none", "gate", "tiny-code", only=(STOP, MAX1),
-                        keyword="x", repro_dir=str(tmp_path))
+    opts = SuiteOptions(RunPlan("refengine", ("none",), only=(STOP, MAX1), keyword="x"),
+                        repro_dir=str(tmp_path))
     args = suite_args(opts, tmp_path / "r.json", None)
     assert args[:2] == [str(suite_dir() / "test_lifecycle.py"), "-c"]  # not the whole suite
     assert args.count("--specgate-only") == 2 and args[args.index("-k") + 1] == "x"
@@ -189,9 +192,16 @@ def test_only_reruns_single_checks(capsys: pytest.CaptureFixture[str], random_mo
                                                "--only test_lifecycle.py::no_such")
 
 
+def with_check(res: RunResults, at: int = 0, **change: object) -> RunResults:
+    """``res`` with its check number ``at`` changed."""
+    checks = list(res.checks)
+    checks[at] = replace(checks[at], **change)
+    return replace(res, checks=tuple(checks))
+
+
 def test_a_failure_shows_the_command_that_replays_it(tmp_path: Path) -> None:
     res = results("none", [("test_a.py::two", "failed", 1.0), ("test_a.py::one", "failed", 1.0)])
-    del res["checks"][1]["repro"]  # type: ignore[index]
+    res = with_check(res, repro=None, repro_reproduces=None, at=1)
     md = render_markdown(build_certificate(res), tmp_path / "my report")
     quoted = f"'{tmp_path}/my report/repro/two.json'"
     rerun = "specgate certify --backend pkg:b --spec none --only"
@@ -220,7 +230,7 @@ def test_a_repro_that_does_not_reproduce_offers_no_command(tmp_path: Path) -> No
     """A check that failed on its own assertion left a scenario that replays clean: the
     certificate names the file and says so, and offers no replay command."""
     res = results("none", [("test_a.py::two", "failed", 1.0)])
-    res["checks"][0]["repro_reproduces"] = False  # type: ignore[index]
+    res = with_check(res, repro_reproduces=False)
     md = render_markdown(build_certificate(res), tmp_path)
     assert "specgate repro" not in md
     assert f"repro file `{tmp_path}/repro/two.json`: its scenario replays clean" in md
@@ -232,7 +242,7 @@ def test_an_unreplayed_repro_says_why_not(tmp_path: Path, why: str) -> None:
     """The check timed out, or the backend refuses the replay: reproduction is unknown; the
     certificate says why and never that the scenario replays clean."""
     res = results("none", [("test_a.py::two", "failed", 1.0)])
-    res["checks"][0].update(repro_reproduces=None, repro_not_replayed=why)  # type: ignore[index]
+    res = with_check(res, repro_reproduces=None, repro_not_replayed=why)
     md = render_markdown(build_certificate(res), tmp_path)
     assert "specgate repro" in md and f"(not replayed: {why})" in md, md
     assert "replays clean" not in md
@@ -258,9 +268,9 @@ def test_under_every_spec_only_runs_the_ids_each_spec_has(
     chain = "test_lossless.py::test_greedy_matches_reference[chain-s3-n4-batch-1]"
 
     def fake_run(opts: SuiteOptions, *args: object, **kwargs: object) -> SuiteRun:
-        assert opts.only == (chain,)
-        has = opts.spec == "eagle"
-        res = results(opts.spec, [(chain, "passed", 1.0)] if has else [],
+        assert opts.plan.only == (chain,)
+        has = opts.plan.specs[0] == "eagle"
+        res = results(opts.plan.specs[0], [(chain, "passed", 1.0)] if has else [],
                       vacuous=None if has else "zero checks collected")
         return SuiteRun(0 if has else 1, res, False)
 
@@ -281,8 +291,9 @@ def test_a_shard_keeps_every_spec(capsys: pytest.CaptureFixture[str],
     import conformance.run.suite
 
     def fake_run(opts: SuiteOptions, *args: object, **kwargs: object) -> SuiteRun:
-        assert (opts.shard, opts.keyword) == ("2/2", "stop")
-        return SuiteRun(1, results(opts.spec, [], vacuous="zero checks collected"), False)
+        assert (opts.plan.shard, opts.plan.keyword) == ("2/2", "stop")
+        (spec,) = opts.plan.specs
+        return SuiteRun(1, results(spec, [], vacuous="zero checks collected"), False)
 
     monkeypatch.setattr(conformance.run.suite, "run_suite", fake_run)
     code, _, _ = run(capsys, "certify", "--spec", "all", "-k", "stop", "--shard", "2/2",

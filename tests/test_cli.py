@@ -232,7 +232,7 @@ def test_graph_executor_choices_are_the_engines() -> None:
     (None, "cpu", None), ("replay", "cpu", "replay")])
 def test_graphs_auto_is_the_devices_fastest_executor(asked: str | None, device: str,
                                                      executor: str | None) -> None:
-    from conformance.run.device import best_graphs
+    from conformance.plan.device import best_graphs
 
     assert best_graphs(asked, device) == executor
 

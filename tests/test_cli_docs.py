@@ -1,5 +1,7 @@
 """docs/cli.md documents every option of every ``specgate`` subcommand, in that command's
-section (options read from the argparse parser itself, so a new flag without docs fails)."""
+section, and every ``--specgate-*`` pytest option in the plain-pytest section (options read from
+the argparse parser and the plugins themselves, so a new flag without docs fails); its table of
+graph executors is the registry's."""
 
 from __future__ import annotations
 
@@ -8,6 +10,9 @@ import re
 from pathlib import Path
 
 from conformance.cli import build_parser
+from conformance.run import only, shard
+from conformance.run.options import add_suite_options
+from refengine.graph.executors import EXECUTORS
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 
@@ -59,3 +64,41 @@ def test_a_missing_option_is_reported() -> None:
     docs = sections(DOC.read_text())
     docs["certify"] = docs["certify"].replace("`--draft-model", "`--draft")
     assert undocumented(options, docs) == ["certify --draft-model"]
+
+
+class _Options:
+    """Stands in for pytest's parser: notes the option names a plugin adds."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def getgroup(self, *args: object, **kwargs: object) -> _Options:
+        return self
+
+    def addoption(self, *names: str, **kwargs: object) -> None:
+        self.names.extend(names)
+
+
+def pytest_options() -> list[str]:
+    """Every option the specgate plugin and its selection and shard plugins add."""
+    found = _Options()
+    for add in (add_suite_options, only.pytest_addoption, shard.pytest_addoption):
+        add(found)  # duck-typed: only getgroup and addoption are called
+    return found.names
+
+
+def test_every_pytest_option_is_in_the_plain_pytest_section() -> None:
+    section = re.split(r"^## Plain pytest", DOC.read_text(), flags=re.M)[1].split("\n## ")[0]
+    options = pytest_options()
+    assert {"--specgate-plan", "--specgate-draft-model", "--specgate-shard"} <= set(options)
+    assert [o for o in options if f"| `{o}` |" not in section] == []
+
+
+def test_the_executor_table_is_the_registrys() -> None:
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)` \| .*$", DOC.read_text(),
+                                                         flags=re.M)}
+    for name, info in EXECUTORS.items():
+        cells = [c.strip() for c in rows[name].strip("|").split("|")]
+        assert cells[1:3] == [info.device, "yes" if info.compiles else "no"], name
+        assert cells[3].startswith("yes" if info.persists else "no"), name
+        assert cells[4] == f"×{info.timeout_factor}" and cells[5] == info.description, name

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conformance.plan.run_plan import RunPlan
 from conformance.plan.specs import SPECS
 from conformance.run.suite import SuiteOptions, run_suite
 
@@ -26,11 +27,11 @@ def certify(tmp_path: Path, factory: str, spec: str, keyword: str | None = None,
             only: tuple[str, ...] = ()) -> dict[str, str]:
     """check id -> outcome, from a gate run of the suite against the variant."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    opts = SuiteOptions(f"tests.conforming_variants:{factory}", spec, "gate", "tiny-code",
-                        keyword=keyword, only=only)
+    opts = SuiteOptions(RunPlan(f"tests.conforming_variants:{factory}", (spec,),
+                                keyword=keyword, only=only))
     run = run_suite(opts, tmp_path / "results.json")
     assert run.results is not None, run.problems
-    return {str(c["nodeid"]): str(c["outcome"]) for c in run.results["checks"]}  # type: ignore[index]
+    return {c.nodeid: c.outcome for c in run.results.checks}
 
 
 def assert_none_failed(outcomes: dict[str, str]) -> None:

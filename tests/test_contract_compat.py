@@ -240,7 +240,7 @@ def test_certify_refuses_a_v1_backend_on_a_device_before_any_work(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
     # this machine may have no CUDA device: the device check is not what this test is about
-    monkeypatch.setattr("conformance.run.device.device_problem", lambda *a: None)
+    monkeypatch.setattr("conformance.plan.device.device_problem", lambda *a: None)
     code, _, err = run(capsys, "certify", "--backend", V1, "--spec", "none", "--device",
                        "cuda", "--report", str(tmp_path / "r"))
     assert_usage_error(code, err, "written for contract 1", "--device cpu")

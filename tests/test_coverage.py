@@ -4,6 +4,7 @@ met (conformance.report.coverage)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,15 +12,16 @@ import pytest
 from conformance.backends.refengine import RefEngineBackend
 from conformance.contract import Capabilities
 from conformance.report.coverage import CLASS_NAMES, coverage
+from conformance.report.results import CheckRow
 from tests.test_cli import run
 
-EVERYTHING = {"algorithms": ["none", "eagle"], "stepwise": True, "abort": True,
-              "sampling": True, "seeded_sampling": True, "memory_view": True,
-              "acceptance_stats": True, "reference_draft": True, "sessions": True}
+EVERYTHING = Capabilities(algorithms=frozenset({"none", "eagle"}), stepwise=True, abort=True,
+                          sampling=True, seeded_sampling=True, memory_view=True,
+                          acceptance_stats=True, reference_draft=True, sessions=True)
 
 
-def row(requires: str, outcome: str, message: str = "") -> dict[str, object]:
-    return {"requires": requires, "outcome": outcome, "message": message}
+def row(requires: str, outcome: str, message: str = "") -> CheckRow:
+    return CheckRow("test_x.py::check", "x", outcome, requires=requires, message=message)
 
 
 def test_every_check_run_is_full() -> None:
@@ -34,7 +36,7 @@ def test_every_check_run_is_full() -> None:
 
 
 def test_classes_nest_and_say_what_they_lack() -> None:
-    claims = {**EVERYTHING, "sessions": False, "reference_draft": True}
+    claims = replace(EVERYTHING, sessions=False, reference_draft=True)
     checks = [row("algorithm:eagle", "passed"), row("algorithm:eagle,abort", "passed"),
               row("algorithm:eagle,sessions", "not claimed", "not claimed: sessions"),
               row("algorithm:eagle,reference_draft,acceptance_stats", "not claimed",

@@ -35,8 +35,8 @@ from conformance.contract import (
     SpecConfig,
     unclaimed_reasons,
 )
+from conformance.plan import registry
 from conformance.repro.driver import Driver, Outcome
-from conformance.run import registry
 from refengine.data import fixtures_root
 
 LONG = 24  # tokens of the reference greedy run the finish tests derive expectations from

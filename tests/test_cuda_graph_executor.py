@@ -13,14 +13,10 @@ import torch
 from engine_helpers import SPEC_PROMPTS, mtp_engine, spec_engine
 
 from refengine import Engine, EngineConfig, SamplingParams
-from refengine.graph import GraphRunner
-from refengine.graph.cuda_graph import (
-    CudaGraphExecutor,
-    CudaGraphs,
-    EmulatedGraphs,
-    clone_outputs,
-)
-from refengine.graph.executors import Executor, GraphKey
+from refengine.graph.cuda_graph import CudaGraphExecutor, CudaGraphs, EmulatedGraphs
+from refengine.graph.program import copy_out
+from refengine.graph.runner import GraphRunner, TargetExecutor
+from refengine.graph.target import GraphKey
 from refengine.speculative.draft_search import Candidates
 
 STAGGERED = [SamplingParams(max_new_tokens=6 + 4 * i, ignore_eos=True)
@@ -31,9 +27,9 @@ class EmulatedCudaRunner(GraphRunner):
     """The graph runner with its "replay" executor swapped for the CUDA-graph executor on the
     emulated recorder: the draft loops then take the "cuda" path too, on the same recorder."""
 
-    def _make_executor(self, name: str) -> Executor:
+    def executor_for(self, name: str) -> TargetExecutor:
         assert name == "replay"
-        return CudaGraphExecutor(self.static_forward, EmulatedGraphs())
+        return CudaGraphExecutor(self.program, EmulatedGraphs())
 
 
 @pytest.fixture
@@ -54,10 +50,12 @@ def captured_keys(engine: Engine) -> int:
     executor = engine.runner.executor
     assert isinstance(executor, CudaGraphExecutor)
     loops = [g for g in (engine.runner.draft_loop, engine.runner.draft_extend) if g is not None]
-    for loop in loops:
-        assert loop.executor == "cuda"
-    return len(executor.keyed.captured) + sum(len(loop.graphs.captured) for loop in loops
-                                              if loop.graphs is not None)
+    loop_executors = [loop.executor for loop in loops]
+    for loop_executor in loop_executors:  # siblings: the target's recorder, the same pool
+        assert isinstance(loop_executor, CudaGraphExecutor)
+        assert loop_executor.graphs is executor.graphs
+    return len(executor.keyed.captured) + sum(len(e.keyed.captured) for e in loop_executors
+                                              if isinstance(e, CudaGraphExecutor))
 
 
 @pytest.mark.parametrize(("config", "overlap"), [
@@ -110,10 +108,10 @@ def test_runner_hands_out_copies_of_a_replays_outputs(spec_pair: tuple[Path, Pat
     assert runner.executor.outputs_persist  # so the runner copies them out
 
 
-def test_clone_outputs_keeps_the_structure() -> None:
+def test_copy_out_keeps_the_structure() -> None:
     found = Candidates(torch.rand(2, 3), torch.arange(6).view(2, 3), torch.zeros(2, 3,
                                                                              dtype=torch.int64))
-    copy = clone_outputs((found, torch.ones(2)))
+    copy = copy_out((found, torch.ones(2)))
     assert isinstance(copy, tuple) and isinstance(copy[0], Candidates)
     assert torch.equal(copy[0].tokens, found.tokens)
     assert copy[0].tokens.data_ptr() != found.tokens.data_ptr()
@@ -150,8 +148,9 @@ def test_launch_thread_leaves_new_keys_to_the_engines_thread(spec_pair: tuple[Pa
     capture_pending = runner.capture_pending
 
     def counting() -> None:
-        pending = [runner.executor.keyed.pending, *(g.graphs.pending for g in loops
-                                                    if g.graphs is not None)]
+        pending = [runner.executor.keyed.pending,
+                   *(g.executor.keyed.pending for g in loops
+                     if isinstance(g.executor, CudaGraphExecutor))]
         queued.append(sum(len(p) for p in pending))
         capture_pending()
         assert not any(pending)

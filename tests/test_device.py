@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conformance.contract import OpenConfig, is_device_name
-from conformance.run.device import device_problem
+from conformance.plan.device import device_problem
+from conformance.plan.run_plan import RunPlan
 from conformance.run.suite import SuiteOptions, suite_args
 from tests.test_cli import assert_usage_error, run
 from tests.test_plugin import plugin_args
@@ -79,13 +80,12 @@ def test_device_usage_errors_come_before_any_work(capsys: pytest.CaptureFixture[
     assert out == "" and list(tmp_path.iterdir()) == []
 
 
-def test_the_device_travels_to_the_suite() -> None:
-    base = SuiteOptions("refengine", "none", "gate", "tiny-code")
-    assert "--specgate-device" not in suite_args(base, Path("r.json"), None)
-    args = suite_args(SuiteOptions("refengine", "none", "gate", "tiny-code", graphs="cuda",
-                                   device="cuda:1"), Path("r.json"), None)
-    assert args[args.index("--specgate-device") + 1] == "cuda:1"
-    assert args[args.index("--specgate-graphs") + 1] == "cuda"
+def test_the_device_travels_to_the_suite(tmp_path: Path) -> None:
+    """The plan reaches the session whole, as one file: the device and executor with it."""
+    plan = RunPlan("refengine", ("none",), graph_executor="cuda", device="cuda:1")
+    args = suite_args(SuiteOptions(plan), tmp_path / "r.json", None)
+    assert RunPlan.load(Path(args[args.index("--specgate-plan") + 1])) == plan
+    assert not {"--specgate-device", "--specgate-graphs"} & set(args)
 
 
 def test_the_plugin_refuses_a_device_it_cannot_use(pytester: pytest.Pytester,

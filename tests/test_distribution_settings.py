@@ -19,7 +19,7 @@ from conformance.checks.distribution import JointLaw, exact_law, verify_misappli
 from conformance.checks.oracle import ReferenceOracle
 from conformance.plan.prompts import load_prompt_set
 from conformance.plan.specs import SPECS
-from conformance.suites.test_distribution import (
+from conformance.suites.support_distribution import (
     ALPHA_PER_SETTING,
     SETTINGS,
     TOKENS,

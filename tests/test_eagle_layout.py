@@ -18,7 +18,7 @@ from engine_helpers import SPEC_PROMPTS, spec_engine
 
 from refengine import SamplingParams
 from refengine.data import resolve_model_dir
-from refengine.graph.draft_loop import eagle_forward
+from refengine.graph.compile import InPlaceKV
 from refengine.memory.kv_pool import KVPool
 from refengine.model.attention import AttentionMetadata
 from refengine.model.configs import EAGLE_VLLM_ARCHITECTURE, EagleLayout
@@ -155,7 +155,8 @@ def hf_head_forward(target_dir: Path, head_dir: Path, layout: EagleLayout,
 def run_head(head: EagleDraftModel, ids: torch.Tensor, features: torch.Tensor,
              graph_pieces: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """refengine's head over a prompt at positions 0..T-1, its KV at scattered slots: the eager
-    forward, or the draft loops' ``eagle_forward`` (the pieces a graph composes)."""
+    forward, or what the draft loops run (``compute``, its KV written through the graphs'
+    write op)."""
     n = len(ids)
     cfg = head.config
     pool = KVPool(SLOTS, 1, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
@@ -163,7 +164,8 @@ def run_head(head: EagleDraftModel, ids: torch.Tensor, features: torch.Tensor,
     meta = AttentionMetadata.build(table, torch.tensor([0]), [n], [n])
     if graph_pieces:
         with torch.inference_mode():
-            return eagle_forward(head, pool, ids, features, torch.arange(n), table[0, :n], meta)
+            return head.compute(ids, features, torch.arange(n), meta, table[0, :n],
+                                InPlaceKV(pool.k, pool.v))
     return head(ForwardBatch(ids, torch.arange(n), table[0, :n], meta), features, pool)
 
 

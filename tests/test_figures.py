@@ -8,11 +8,11 @@ from __future__ import annotations
 import re
 
 from conformance.report.figures import MAX_CELL, MAX_COLUMNS, cell, figures_lines
+from conformance.report.results import CheckRow, JsonValue
 
 
-def check(nodeid: str, tier: str, outcome: str = "passed", **figures: object
-          ) -> dict[str, object]:
-    return {"nodeid": nodeid, "tier": tier, "outcome": outcome, "figures": figures}
+def check(nodeid: str, tier: str, outcome: str = "passed", **figures: JsonValue) -> CheckRow:
+    return CheckRow(nodeid, tier, outcome, figures=figures)
 
 
 def test_one_table_per_tier_a_column_per_figure_and_a_dash_where_missing() -> None:

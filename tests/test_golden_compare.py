@@ -4,12 +4,14 @@ mean tau within its tolerance, over the tokens a run produced."""
 from __future__ import annotations
 
 from conformance.checks import golden
+from conformance.contract import SamplingParams, SpecConfig
 
 
 def trace(accept_lens: list[int], fragile_from: int | None = None) -> golden.GoldenTrace:
     output = list(range(1, 2 + sum(accept_lens)))  # index 0 from prefill, then every step
     request = golden.GoldenRequest("r", [7, 8], output, accept_lens, fragile_from)
-    return golden.GoldenTrace(golden.SCHEMA_VERSION, {}, {}, {}, "set", [request], {})
+    return golden.GoldenTrace(golden.SCHEMA_VERSION, {}, SpecConfig(), SamplingParams(), "set",
+                              [request], golden.summarize([], 3))
 
 
 LENS = [4, 1, 3, 4, 2, 4, 4, 1, 3, 4, 4, 2, 4, 4, 3, 4, 4, 4, 1, 4]

@@ -58,7 +58,7 @@ def test_a_trace_of_another_head_is_refused(tmp_path: Path,
 def test_vllm_layout_head_traces_are_recorded(config, trace: str) -> None:  # type: ignore[no-untyped-def]
     """The EAGLE configurations have traces of ``tiny-code-eagle-vllm``, recorded with it."""
     loaded = golden.load(replace(config, draft_model=VLLM_HEAD), trace)
-    assert loaded.spec["draft_model"] == VLLM_HEAD
+    assert loaded.spec.draft_model == VLLM_HEAD
     assert f"{VLLM_HEAD}/model.safetensors" in loaded.fixtures
 
 

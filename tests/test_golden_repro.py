@@ -18,7 +18,8 @@ from conformance.plan.registry import load_backend
 from conformance.plan.specs import SPECS
 from conformance.repro.command import with_spec
 from conformance.repro.record import RecordedRuns
-from conformance.repro.replay import replay, requirements
+from conformance.repro.replay import replay
+from conformance.repro.requirements import requirements
 from conformance.repro.scenario import Action, Run, Scenario, Step, Submit, load
 from refengine import Engine, EngineConfig
 from tests.failing_certify import certify_failing, failed_row

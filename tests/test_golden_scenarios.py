@@ -22,6 +22,7 @@ from conformance.checks.golden_scenarios import (
     sessions_of,
     waves,
 )
+from conformance.contract import SamplingParams, SpecConfig
 from conformance.plan.prompts import load_prompt_set
 from conformance.plan.specs import SPECS, config_id
 
@@ -59,17 +60,24 @@ def test_retraction_plan_is_the_first_prompts_in_one_batch() -> None:
     assert waves(planned) == [planned] and RETRACTED.retract_every == RETRACT_EVERY
 
 
+def bare_trace(requests: list[golden.GoldenRequest], max_prefill_tokens: int | None = None,
+               retract_every: int | None = None) -> golden.GoldenTrace:
+    """A trace of ``requests`` whose spec, sampling and summary nothing here reads."""
+    return golden.GoldenTrace(golden.SCHEMA_VERSION, {}, SpecConfig(), SamplingParams(), "set",
+                              requests, golden.summarize([], 3), max_prefill_tokens,
+                              retract_every)
+
+
 def test_a_trace_without_sessions_a_prefill_budget_or_retraction_keeps_its_file_format(
         ) -> None:
     request = golden.GoldenRequest("r", [7, 8], [1, 2], [1], None)
-    trace = golden.GoldenTrace(golden.SCHEMA_VERSION, {}, {}, {}, "set", [request], {})
+    trace = bare_trace([request])
     assert not any(field in trace.to_json() for field in golden.UNSET_OMITTED)
     turn = golden.GoldenRequest("s0-t1", [9], [1, 2], [1], 0, "s0")
-    chunked = golden.GoldenTrace(golden.SCHEMA_VERSION, {}, {}, {}, "set", [turn], {}, 64)
+    chunked = bare_trace([turn], max_prefill_tokens=64)
     assert golden.GoldenTrace.from_json(chunked.to_json()) == chunked
     retracted = golden.GoldenRequest("r", [7], [1, 2, 3], [1], None, retractions=0)
-    under_hook = golden.GoldenTrace(golden.SCHEMA_VERSION, {}, {}, {}, "set", [retracted], {},
-                                    retract_every=2)
+    under_hook = bare_trace([retracted], retract_every=2)
     assert '"retractions": 0' in under_hook.to_json()
     assert golden.GoldenTrace.from_json(under_hook.to_json()) == under_hook
 
@@ -78,7 +86,7 @@ def test_a_trace_without_sessions_a_prefill_budget_or_retraction_keeps_its_file_
 def test_committed_chunked_trace_chunks_every_prompt(config) -> None:  # type: ignore[no-untyped-def]
     trace = golden.load(config, CHUNKED.trace_name("default"))
     assert trace.max_prefill_tokens == CHUNK_TOKENS
-    assert trace.sampling["max_new_tokens"] == SCENARIO_TOKENS
+    assert trace.sampling.max_new_tokens == SCENARIO_TOKENS
     assert all(len(r.prompt_ids) > 2 * CHUNK_TOKENS for r in trace.requests)
 
 
@@ -102,7 +110,7 @@ def test_committed_retraction_trace_compares_retracted_requests(config) -> None:
     that loses the re-prefilled context."""
     trace = golden.load(config, RETRACTED.trace_name("default"))
     assert trace.retract_every == RETRACT_EVERY and trace.max_prefill_tokens is None
-    assert trace.sampling["max_new_tokens"] == SCENARIO_TOKENS
+    assert trace.sampling.max_new_tokens == SCENARIO_TOKENS
     retracted = [r for r in trace.requests if r.retractions]
     assert len(retracted) >= 2, [(r.id, r.retractions) for r in trace.requests]
     exact = sum(r.exact_steps(len(r.output_ids)) for r in retracted)

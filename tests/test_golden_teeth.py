@@ -35,7 +35,7 @@ def golden_problems(mutant_name: str, scenario: Scenario = PLAIN) -> list[str]:
     config = SPECS[mutant.spec].configs[0]
     assert config is not None
     trace = golden.load(config, scenario.trace_name("default"))
-    tokens = TOKENS if scenario is PLAIN else int(trace.sampling["max_new_tokens"])
+    tokens = TOKENS if scenario is PLAIN else trace.sampling.max_new_tokens
     budget = ({} if trace.max_prefill_tokens is None
               else {"max_prefill_tokens": trace.max_prefill_tokens})
     engine = mutant.engine_class(EngineConfig(model="tiny-code", spec=config,

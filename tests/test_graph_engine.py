@@ -14,21 +14,23 @@ from engine_helpers import SPEC_PROMPTS, mtp_engine, spec_engine
 from conformance.backends.refengine.graph_probe import RefGraphProbe
 from conformance.checks import graph as checks
 from refengine import Engine, SamplingParams
-from refengine.graph import GraphRunner, aot
+from refengine.graph import aot_process
 from refengine.graph.aot import CACHE_ENV
 from refengine.graph.draft_loop import DraftLoopGraph
-from refengine.graph.executors import GraphKey, ReplayExecutor
+from refengine.graph.replay import ReplayExecutor
+from refengine.graph.runner import GraphRunner
+from refengine.graph.target import GraphKey
 
 # Staggered lengths: the batch shrinks as requests finish, so several buckets replay.
 STAGGERED = [SamplingParams(max_new_tokens=6 + 4 * i, ignore_eos=True)
              for i in range(len(SPEC_PROMPTS))]
 
 
-class CountingReplay(ReplayExecutor):
+class CountingReplay(ReplayExecutor):  # type: ignore[type-arg]
     """The replay executor, counting the keys it runs."""
 
     def __init__(self, runner: GraphRunner) -> None:
-        super().__init__(runner.static_forward)
+        super().__init__(runner.program)
         self.keys: Counter[GraphKey] = Counter()
 
     def run(self, key: GraphKey, views: object) -> object:  # type: ignore[override]
@@ -220,5 +222,5 @@ def test_frozen_executors_engine_equals_eager(spec_pair: tuple[Path, Path], mtp_
         if executor != "aot":
             break
         built = graphs.runner.executor.packages.cache.builds
-        aot._LOADED.clear()  # the later engine stands for a later process: it loads from disk
+        aot_process.LOADED.clear()  # the later engine stands for a later process: loads from disk
         assert (len(built) == len(keys)) if attempt == "first" else not built, built

@@ -41,9 +41,10 @@ from conformance.contract.graph_probe import (
     GraphRun,
     Mode,
 )
+from conformance.plan.run_plan import RunPlan
 from conformance.run.suite import SuiteOptions, run_suite
 from refengine.config import SamplingParams
-from refengine.graph import GraphRunner
+from refengine.graph.runner import GraphRunner
 
 LIMITS = {"max_running_requests": 10, "kv_pool_tokens": 1024, "page_size": 4}
 
@@ -180,7 +181,8 @@ def test_graph_tier_passes_under_the_compiled_executor(
     on the compiled graphs."""
     from conformance.run.suite import SuiteOptions, suite_args, suite_dir
 
-    opts = SuiteOptions("refengine", "none", "gate", str(random_model_dir), graphs="compiled")
+    opts = SuiteOptions(RunPlan("refengine", ("none",), model=str(random_model_dir),
+                                graph_executor="compiled"))
     results = tmp_path / "results.json"
     args = suite_args(opts, results, None)
     assert args[0] == str(suite_dir())
@@ -313,14 +315,14 @@ def test_the_tier_never_passes_a_check_that_ran_nothing(tmp_path: Path,
                                                         random_model_dir: Path) -> None:
     """Through the suite: what the lies would have emptied is not applicable, with why; the
     infinite tolerance fails graph == eager; what still runs something passes."""
-    run = run_suite(SuiteOptions("tests.test_graph_probe:misreporting_backend", "none", "gate",
-                                 str(random_model_dir), keyword="test_graph"),
+    run = run_suite(SuiteOptions(RunPlan("tests.test_graph_probe:misreporting_backend",
+                                         ("none",), model=str(random_model_dir),
+                                         keyword="test_graph")),
                     tmp_path / "results.json")
     assert run.results is not None, run.problems
-    rows = {str(c["nodeid"]).split("::")[-1]: c
-            for c in run.results["checks"]  # type: ignore[union-attr]
-            if str(c["nodeid"]).startswith("test_graph.py")}
-    outcomes = {name: row["outcome"] for name, row in rows.items()}
+    rows = {c.nodeid.split("::")[-1]: c for c in run.results.checks
+            if c.nodeid.startswith("test_graph.py")}
+    outcomes = {name: row.outcome for name, row in rows.items()}
     assert outcomes == {
         "test_padded_rows_follow_the_policy": "skipped",
         "test_graph_matches_eager_at_every_size": "failed",
@@ -329,10 +331,9 @@ def test_the_tier_never_passes_a_check_that_ran_nothing(tmp_path: Path,
         "test_static_buffers_stay_put_and_outputs_are_fresh": "passed",
         "test_kinds_without_kv_writes_leave_the_pool_untouched": "skipped",
         "test_graph_matches_eager_either_side_of_every_key_width": "skipped"}, rows
-    skipped = [row["message"] for row in rows.values() if row["outcome"] == "skipped"]
+    skipped = [row.message for row in rows.values() if row.outcome == "skipped"]
     assert all(m.startswith("Skipped: not applicable: ") for m in skipped), skipped
-    assert "no raw size 1..1 runs padded" in rows["test_padded_rows_follow_the_policy"][
-        "message"]
+    assert "no raw size 1..1 runs padded" in rows["test_padded_rows_follow_the_policy"].message
     assert "max_context 100" in rows[
-        "test_graph_matches_eager_either_side_of_every_key_width"]["message"]
-    assert "float_tolerance() inf" in rows["test_graph_matches_eager_at_every_size"]["message"]
+        "test_graph_matches_eager_either_side_of_every_key_width"].message
+    assert "float_tolerance() inf" in rows["test_graph_matches_eager_at_every_size"].message

@@ -6,9 +6,9 @@ model, for every raw batch size 1..MAX_BS (not only the buckets) and decode and 
 tree): replay equals eager, poisoned padding changes nothing, padded rows hold the policy and write
 nothing a request owns (KV pool, row table, allocator), no history dependence, stable static
 buffers, fresh outputs. Beside them, white-box checks the tier cannot make from outside: the staged
-attention, capture, fallbacks, key widths, the compiled executor's region split (exact under
-Dynamo's eager backend), and inductor against eager on a few sizes (slow: a cold compile takes tens
-of seconds here).
+attention, capture, fallbacks, key widths, the compiled executor and the benchmark's per-layer
+region split (``benchmarks/graph_executors.py``; both exact under Dynamo's eager backend), and
+inductor against eager on a few sizes (slow: a cold compile takes tens of seconds here).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from benchmarks.graph_executors import LayersExecutor
 from conformance.backends.mutants import MUTANTS
 from conformance.backends.refengine.graph_kinds import (
     KINDS,
@@ -32,18 +33,18 @@ from conformance.backends.refengine.graph_world import POISON_STYLES
 from conformance.checks import graph as checks
 from conformance.checks.graph import Recorder, compare_outputs, compare_state
 from conformance.contract.graph_probe import GraphCase, GraphProbe, KeyWidthProbe
-from refengine.graph import (
+from refengine.graph.compiled import CompiledExecutor
+from refengine.graph.program import Executor
+from refengine.graph.runner import GraphBatch, GraphRunner
+from refengine.graph.staging import (
     DUMMY_ROW,
     DUMMY_SLOT,
-    CompiledExecutor,
-    GraphKey,
-    GraphRunner,
     capture_sizes,
     kv_widths,
     pad_to_bucket,
     static_attention,
 )
-from refengine.graph.runner import GraphBatch
+from refengine.graph.target import GraphKey, TargetForward
 from refengine.memory.manager import KVManager
 from refengine.model.llama import LlamaForCausalLM
 from refengine.runner import ModelRunner
@@ -305,15 +306,27 @@ def test_narrow_key_width_matches_eager(make_probe: MakeProbe) -> None:
             compare_state(graph, eager.state, "the eager run's", "narrow key width")
 
 
-@pytest.mark.parametrize("split", ["whole", "layers"])
+def compiled_whole(runner: ModelRunner, backend: str = "inductor") -> Executor[Any, Any, Any]:
+    """The engine's compiled executor: the whole forward, its writes through the write op."""
+    return CompiledExecutor(TargetForward(runner), backend)
+
+
+def compiled_layers(runner: ModelRunner, backend: str = "inductor") -> Executor[Any, Any, Any]:
+    """The benchmark's per-layer regions, eager writes between them."""
+    return LayersExecutor(runner.target, runner.kv.target_pool, runner.kv.rows.table, backend)
+
+
+SPLITS = {"whole": compiled_whole, "layers": compiled_layers}
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
 def test_compiled_forward_is_exact(make_probe: MakeProbe, probe: RefGraphProbe,
                                    split: str) -> None:
     """The compiled executor's forward traced by Dynamo and run as plain torch ("eager"
     backend) gives the replay's bits, its KV writes included: it restates the model exactly,
     and the write op (whole) or the eager writes between regions (layers) write what eager
     does. (Both probes build the same worlds bit for bit.)"""
-    compiled = make_probe(lambda runner: CompiledExecutor(
-        runner.target, runner.kv.target_pool, runner.kv.rows.table, backend="eager", split=split))
+    compiled = make_probe(lambda runner: SPLITS[split](runner, "eager"))
     for kind in ("decode", "verify-tree"):
         for raw in (1, 3):
             want = probe.run(GraphCase(kind, raw), "graph")
@@ -328,8 +341,7 @@ def test_a_new_thread_count_compiles_a_variant_instead_of_failing(
     library loaded beside torch may change it between two calls; the key's later calls skip
     guards, under which Dynamo refuses to recompile. A call under a new count goes through
     every guard instead, and gives the same forward."""
-    compiled = make_probe(lambda runner: CompiledExecutor(
-        runner.target, runner.kv.target_pool, runner.kv.rows.table, backend="eager"))
+    compiled = make_probe(lambda runner: compiled_whole(runner, "eager"))
     want = probe.run(GraphCase("decode", 1), "graph")
     threads = torch.get_num_threads()
     compiled.run(GraphCase("decode", 1), "graph")
@@ -348,7 +360,8 @@ def test_compiled_matches_eager(make_probe: MakeProbe, executor: str) -> None:
     """Inductor: within the probe's tolerance of eager, and the KV writes stay in the real
     slots and the dummy page (a cold compile is tens of seconds per key here, hence slow;
     "frozen" compiles every key again in each process)."""
-    probe = make_probe(executor, kv_sizes=[64])
+    probe = make_probe(compiled_layers if executor == "compiled-layers" else executor,
+                       kv_sizes=[64])
     rec = Recorder(probe)
     for kind in ("decode", "verify-tree"):
         for raw in (1, 3):
@@ -371,12 +384,13 @@ def test_an_aot_key_is_built_for_the_rows_it_multiplies(
         rows_by_key[label.rsplit("-kv", 1)[0]] = rows
 
     monkeypatch.setattr(AotPackages, "load", record)
+    monkeypatch.setattr(AotPackages, "run", lambda self, key, inputs: [inputs[0], inputs[1]])
     cfg = model.config
     kv = KVManager(4096, PAGE, MAX_BS, cfg.max_position_embeddings,
                    (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim),
                    torch.float32, "cpu", row_headroom=N)
     runner = ModelRunner(model, None, kv)
-    executor = AotExecutor(model, kv.target_pool, kv.rows.table, PackageCache(tmp_path))
+    executor = AotExecutor(TargetForward(runner), PackageCache(tmp_path))
     graph = GraphRunner(runner, executor, verify_tokens=N)
     graph.capture(sizes=[1, 8], kv_sizes=graph.kv_sizes[:1])
     assert rows_by_key == {"decode-b1": 1, "decode-b8": 8, f"verify-n{N}-b1": N,

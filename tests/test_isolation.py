@@ -19,9 +19,12 @@ import pytest
 from conformance.backends.refengine import RefEngineBackend, RefEngineHandle
 from conformance.cli import build_parser, main
 from conformance.contract import Event, OpenConfig
+from conformance.plan.run_plan import RunPlan
 from conformance.report.certificate import Certificate, build_certificate
-from conformance.run.case_timeout import COMPILED_FACTOR, DEFAULT_SECONDS
+from conformance.report.results_json import read_results
+from conformance.run.case_timeout import DEFAULT_SECONDS
 from conformance.run.suite import SuiteOptions, suite_args
+from refengine.graph.executors import EXECUTORS
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTS_ENV = "SPECGATE_TEST_FAULTS"  # JSON {"raise"|"hang"|"native": node id}; env reaches
@@ -78,16 +81,16 @@ def certify_subset(tmp_path: Path, model: Path, workers: int,
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # xdist workers import this module
     results = tmp_path / "results.json"
-    opts = SuiteOptions("tests.test_isolation:faulty", "none", "gate", str(model),
-                        workers=workers, case_timeout=1.0)
+    opts = SuiteOptions(RunPlan("tests.test_isolation:faulty", ("none",), model=str(model),
+                                workers=workers, case_timeout=1.0))
     started = time.monotonic()
     with contextlib.redirect_stdout(io.StringIO()):
         pytest.main([*suite_args(opts, results, tmp_path / "junit.xml"), "-k", SELECT])
-    return build_certificate(json.loads(results.read_text())), time.monotonic() - started
+    return build_certificate(read_results(results)), time.monotonic() - started
 
 
 def outcomes(cert: Certificate) -> dict[str, tuple[str, str]]:
-    return {str(c["nodeid"]): (str(c["outcome"]), str(c["message"])) for c in cert.checks}
+    return {c.nodeid: (c.outcome, c.message) for c in cert.checks}
 
 
 def test_a_raise_and_a_hang_fail_only_their_checks(tmp_path: Path, random_model_dir: Path,
@@ -125,7 +128,8 @@ def test_the_cli_states_the_default_timeouts() -> None:
     help_text = " ".join(certify.format_help().split())
     stated = ", ".join(f"{p} {s:g}" for p, s in DEFAULT_SECONDS.items())
     assert f"default by profile: {stated}" in help_text
-    assert COMPILED_FACTOR == 4 and "four times that with --graphs compiled" in help_text
+    assert EXECUTORS["compiled"].timeout_factor == 4
+    assert "four times that with --graphs compiled" in help_text
 
 
 @pytest.mark.parametrize("value", ["-1", "soon", "inf", "nan"])

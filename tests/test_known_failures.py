@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
 import pytest
 
-from conformance.report.certificate import build_certificate, render_markdown
+from conformance.report.certificate import build_certificate
 from conformance.report.failures import Rerun, console_lines
 from conformance.report.junit import mark_known
+from conformance.report.markdown import render_markdown
+from conformance.report.results import KnownReport, RunResults
+from conformance.report.results_json import jsonable
 from conformance.run.known_failures import KnownFailure, apply_known, load_known
 from tests.test_cli import assert_usage_error, run
 from tests.test_merge import results
@@ -32,17 +36,22 @@ ENTRIES = [KnownFailure("test_a.py::fails", "tracked in #1", date(2026, 12, 31))
 SUITES = Path(__file__).resolve().parent.parent / "conformance" / "suites"
 
 
-def applied(strict: bool = False) -> dict[str, object]:
+def applied(strict: bool = False) -> RunResults:
     return apply_known(results("none", CHECKS), ENTRIES, "kf.toml", strict, TODAY)
+
+
+def report_of(done: RunResults) -> KnownReport:
+    assert done.known_failures is not None
+    return done.known_failures
 
 
 def test_each_entry_is_known_stale_expired_not_run_or_unknown() -> None:
     done = applied()
-    outcomes = {c["nodeid"]: c["outcome"] for c in done["checks"]}  # type: ignore[attr-defined]
+    outcomes = {c.nodeid: c.outcome for c in done.checks}
     assert outcomes == {"test_a.py::fails": "known failure", "test_a.py::passes": "passed",
                         "test_a.py::old": "failed", "test_a.py::gated": "not claimed"}
-    known = done["known_failures"]
-    assert [[i["check"] for i in known[k]] for k in  # type: ignore[index]
+    known = report_of(done)
+    assert [[i.check for i in known.kind(k)] for k in
             ("known", "stale", "expired", "not_run", "unknown")] == [
         ["test_a.py::fails"], ["test_a.py::passes"], ["test_a.py::old"], ["test_a.py::gated"],
         ["test_a.py::gone"]]
@@ -78,7 +87,7 @@ def test_the_certificate_lists_them_all() -> None:
                    "failed)", "**listed, did not run: 1**", "**listed, no such check: 1**",
                    "`test_a.py::gone`: renamed"):
         assert needle in section, needle
-    lines = console_lines([], Rerun("b", "none"), applied()["known_failures"], Path("r"))  # type: ignore[arg-type]
+    lines = console_lines([], Rerun("b", "none"), applied().known_failures, Path("r"))
     assert "  stale: test_a.py::passes: fixed upstream?" in lines
     assert "  listed, no such check: test_a.py::gone: renamed" in lines
 
@@ -91,7 +100,8 @@ def test_a_known_failure_shows_its_message_and_replays(tmp_path: Path) -> None:
     listed.write_text("{}")
     entry = KnownFailure("test_a.py::fails", "tracked in #1", repro=str(listed))
     done = apply_known(results("none", CHECKS[:2]), [entry], "kf.toml", False, TODAY)
-    (item,) = done["known_failures"]["known"]  # type: ignore[index]
+    (known,) = report_of(done).known
+    item = jsonable(known)
     assert item == {"check": "test_a.py::fails", "reason": "tracked in #1",
                     "outcome": "failed", "expires": None, "message": "boom",
                     "repro": "repro/fails.json", "repro_reproduces": "yes",
@@ -103,7 +113,7 @@ def test_a_known_failure_shows_its_message_and_replays(tmp_path: Path) -> None:
                    f"  - listed repro: `specgate repro {listed} --backend pkg:b`"):
         assert needle in section, needle
     assert json.loads(cert.to_json())["known_failures"]["known"] == [item]
-    lines = console_lines([], Rerun("pkg:b", "none"), done["known_failures"], Path("out"))  # type: ignore[arg-type]
+    lines = console_lines([], Rerun("pkg:b", "none"), done.known_failures, Path("out"))
     assert lines == ["  known failure: test_a.py::fails: tracked in #1", "    message: boom",
                      "    replay: specgate repro out/repro/fails.json --backend pkg:b",
                      f"    listed repro: specgate repro {listed} --backend pkg:b"]
@@ -111,9 +121,9 @@ def test_a_known_failure_shows_its_message_and_replays(tmp_path: Path) -> None:
 
 def test_a_known_failure_whose_repro_replays_clean_says_so() -> None:
     rows = results("none", CHECKS[:1])
-    rows["checks"][0]["repro_reproduces"] = False  # type: ignore[index]
+    rows = replace(rows, checks=(replace(rows.checks[0], repro_reproduces=False),))
     done = apply_known(rows, ENTRIES[:1], "kf.toml", False, TODAY)
-    lines = console_lines([], Rerun("b", "none"), done["known_failures"], Path("r"))  # type: ignore[arg-type]
+    lines = console_lines([], Rerun("b", "none"), done.known_failures, Path("r"))
     assert lines[-1].startswith("    repro file r/repro/fails.json: its scenario replays clean")
 
 
@@ -184,8 +194,8 @@ def test_an_entry_may_name_several_specs(tmp_path: Path) -> None:
     for spec, outcome in (("eagle", "known failure"), ("ngram", "known failure"),
                           ("none", "failed")):
         done = apply_known(results(spec, CHECKS[:1]), entries, "kf.toml", False, TODAY)
-        assert done["checks"][0]["outcome"] == outcome, spec  # type: ignore[index]
-        assert not done["known_failures"]["unknown"]  # type: ignore[index]
+        assert done.checks[0].outcome == outcome, spec
+        assert not report_of(done).unknown
 
 
 @pytest.mark.parametrize("text, needle", [

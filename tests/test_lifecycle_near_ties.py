@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from conformance.plan.run_plan import RunPlan
+from conformance.report.results import CheckRow
 from conformance.run.suite import SuiteOptions, run_suite
 
 STOP_CHECKS = ("test_lifecycle.py::test_stop_at_first_token",
@@ -16,12 +18,12 @@ STOP_CHECKS = ("test_lifecycle.py::test_stop_at_first_token",
 
 
 def checks(tmp_path: Path, backend: str, spec: str, keyword: str | None = None,
-           only: tuple[str, ...] = ()) -> dict[str, dict[str, object]]:
+           only: tuple[str, ...] = ()) -> dict[str, CheckRow]:
     """check id -> its results row, from a gate run of the suite against ``backend``."""
-    opts = SuiteOptions(backend, spec, "gate", "tiny-code", keyword=keyword, only=only)
+    opts = SuiteOptions(RunPlan(backend, (spec,), keyword=keyword, only=only))
     run = run_suite(opts, tmp_path / "results.json")
     assert run.results is not None, run.problems
-    return {str(c["nodeid"]): c for c in run.results["checks"]}  # type: ignore[union-attr]
+    return {c.nodeid: c for c in run.results.checks}
 
 
 def test_a_bfloat16_backend_passes_the_lifecycle_tier(tmp_path: Path) -> None:
@@ -29,10 +31,10 @@ def test_a_bfloat16_backend_passes_the_lifecycle_tier(tmp_path: Path) -> None:
     decoding streams a token the float32 reference ranks second at a near-tie (an exact
     comparison failed it)."""
     rows = checks(tmp_path, "tests.test_near_ties:bfloat16_honest", "eagle", "test_lifecycle")
-    failed = {k: r["message"] for k, r in rows.items() if r["outcome"] == "failed"}
+    failed = {k: r.message for k, r in rows.items() if r.outcome == "failed"}
     assert not failed, failed
-    ties = rows["test_lifecycle.py::test_abort[decoding]"]["figures"]  # type: ignore[index]
-    assert any(t.startswith("victim@") for t in ties.get("near_ties", [])), ties
+    ties = rows["test_lifecycle.py::test_abort[decoding]"].figures.get("near_ties")
+    assert isinstance(ties, list) and any(str(t).startswith("victim@") for t in ties), ties
 
 
 def test_a_flip_at_a_near_tie_before_a_stop_is_not_compared(tmp_path: Path) -> None:
@@ -41,9 +43,9 @@ def test_a_flip_at_a_near_tie_before_a_stop_is_not_compared(tmp_path: Path) -> N
     rows = checks(tmp_path, "tests.test_near_ties:flips_near_ties", "none", only=STOP_CHECKS)
     assert set(rows) == set(STOP_CHECKS), sorted(rows)
     for check, row in rows.items():
-        assert row["outcome"] == "skipped" and "near-tie before its stop" in str(
-            row["message"]), (check, row)
-        assert row["figures"]["near_ties"], (check, row)  # type: ignore[index]
+        assert row.outcome == "skipped", (check, row)
+        assert "near-tie before its stop" in row.message, (check, row)
+        assert row.figures["near_ties"], (check, row)
 
 
 def test_a_confident_flip_before_a_stop_fails(tmp_path: Path) -> None:
@@ -51,5 +53,5 @@ def test_a_confident_flip_before_a_stop_fails(tmp_path: Path) -> None:
     stops placed after it fail."""
     rows = checks(tmp_path, "tests.test_near_ties:flips_confident_tokens", "none",
                   only=STOP_CHECKS[1:])
-    assert {k: r["outcome"] for k, r in rows.items()} == dict.fromkeys(STOP_CHECKS[1:],
+    assert {k: r.outcome for k, r in rows.items()} == dict.fromkeys(STOP_CHECKS[1:],
                                                                        "failed"), rows

@@ -6,27 +6,35 @@ from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from conformance.report.certificate import build_certificate, write_reports
+from conformance.contract import Capabilities
+from conformance.report.certificate import build_certificate
+from conformance.report.markdown import write_reports
+from conformance.report.results import BackendIdentity, CheckRow, RunResults
 from tests.test_cli import assert_usage_error, run
 
 SELECTION = "test_max_new_tokens or test_stop"  # 6 quick lifecycle checks
 
 
-def results(spec: str, checks: list[tuple[str, str, float]], **extra: object
-            ) -> dict[str, object]:
-    return {"backend": {"name": "b", "version": "1", "resolved_from": "pkg:b"},
-            "capabilities": {"algorithms": ["none"]}, "spec": spec, "profile": "gate",
-            "vacuous": None, "interrupted": False, "specgate_version": "9.9",
-            "checks": [{"nodeid": n, "tier": n.split(".py")[0].removeprefix("test_"),
-                        "requires": "algorithm:none", "outcome": o, "duration": d,
-                        "message": "boom" if o == "failed" else "", "figures": {},
-                        **({"repro": f"repro/{n.split('::')[1]}.json",
-                            "repro_reproduces": True} if o == "failed" else {})}
-                       for n, o, d in checks], **extra}
+def row(nodeid: str, outcome: str, seconds: float) -> CheckRow:
+    """A check of tier ``a`` for ``test_a.py::...``; a failure left a repro file that
+    reproduces it."""
+    failed = outcome == "failed"
+    return CheckRow(nodeid, nodeid.split(".py")[0].removeprefix("test_"), outcome, seconds,
+                    "algorithm:none", "boom" if failed else "",
+                    repro=f"repro/{nodeid.split('::')[1]}.json" if failed else None,
+                    repro_reproduces=True if failed else None)
+
+
+def results(spec: str, checks: list[tuple[str, str, float]], **extra: object) -> RunResults:
+    """A plain-decoding run of backend ``b``; ``extra``: RunResults fields to change."""
+    made = RunResults(BackendIdentity("b", "1", "pkg:b"), Capabilities(), spec, "gate",
+                      tuple(row(*c) for c in checks), specgate_version="9.9")
+    return replace(made, **extra)
 
 
 def cert_dir(where: Path, spec: str, checks: list[tuple[str, str, float]], **extra: object
@@ -115,7 +123,7 @@ def test_multi_spec_shards_must_hold_the_same_specs(capsys: pytest.CaptureFixtur
 
 @pytest.mark.parametrize("change, needle", [
     ({"specgate_version": "1.0"}, "different specgate versions"),
-    ({"backend": {"name": "c", "version": "1", "resolved_from": "pkg:c"}}, "different backends"),
+    ({"backend": BackendIdentity("c", "1", "pkg:c")}, "different backends"),
     ({"spec": "eagle"}, "different specs"),
     ({"shard": "2/3"}, "different shard counts"),
     ({"shard": "1/2"}, "shards 1, 1 of 2"),

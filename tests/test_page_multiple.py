@@ -21,6 +21,8 @@ from conformance.contract import (
     OpenConfig,
     effective_page_size,
 )
+from conformance.plan.run_plan import RunPlan
+from conformance.report.results import CheckRow
 from conformance.repro.driver import Driver
 from conformance.repro.replay import ActionRunner
 from conformance.repro.scenario import Run
@@ -104,27 +106,26 @@ def test_a_replay_opens_at_the_page_size_the_backend_runs(recorded: int | None,
     assert runner.driver.config == backend.opened[0]
 
 
-def certify(tmp_path: Path, factory: str, only: tuple[str, ...]) -> dict[str, dict[str, object]]:
-    """check id -> its row in report.json, from a gate run of the suite on ``factory``."""
-    opts = SuiteOptions(f"tests.conforming_variants:{factory}", "none", "gate", "tiny-code",
-                        only=only)
+def certify(tmp_path: Path, factory: str, only: tuple[str, ...]) -> dict[str, CheckRow]:
+    """check id -> its row in the results, from a gate run of the suite on ``factory``."""
+    opts = SuiteOptions(RunPlan(f"tests.conforming_variants:{factory}", ("none",), only=only))
     run = run_suite(opts, tmp_path / "results.json")
     assert run.results is not None, run.problems
-    return {str(c["nodeid"]): c for c in run.results["checks"]}  # type: ignore[index, misc]
+    return {c.nodeid: c for c in run.results.checks}
 
 
 def test_fixed_pages_run_at_the_multiple_and_say_so(tmp_path: Path) -> None:
     """The variant refuses any page size that is not a multiple of 32: it passes because the
     suite asks 32, and each check records the page size it ran at beside the one it asked."""
     rows = certify(tmp_path, "fixed_pages", (LOSSLESS_PAGE_4, MEMORY_PAGE_1))
-    assert {check: row["outcome"] for check, row in rows.items()} == {
+    assert {check: row.outcome for check, row in rows.items()} == {
         LOSSLESS_PAGE_4: "passed", MEMORY_PAGE_1: "passed"}
-    assert rows[LOSSLESS_PAGE_4]["figures"]["page_size_run"] == ["32 (asked 4)"]  # type: ignore[index]
-    assert rows[MEMORY_PAGE_1]["figures"]["page_size_run"] == ["32 (asked 1)"]  # type: ignore[index]
+    assert rows[LOSSLESS_PAGE_4].figures["page_size_run"] == ["32 (asked 4)"]
+    assert rows[MEMORY_PAGE_1].figures["page_size_run"] == ["32 (asked 1)"]
 
 
 def test_a_memory_view_that_ignores_the_page_size_fails(tmp_path: Path) -> None:
     rows = certify(tmp_path, "ignores_page_size", (LOSSLESS_PAGE_4,))
-    assert rows[LOSSLESS_PAGE_4]["outcome"] == "failed"
+    assert rows[LOSSLESS_PAGE_4].outcome == "failed"
     assert ("page size: the memory view reports page_size 1, but the backend was opened with "
-            "page_size 4") in str(rows[LOSSLESS_PAGE_4]["message"])
+            "page_size 4") in rows[LOSSLESS_PAGE_4].message

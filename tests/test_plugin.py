@@ -13,7 +13,9 @@ from conformance.backends.refengine import RefEngineBackend
 from conformance.backends.refengine.adapter import RefEngineHandle
 from conformance.contract import Capabilities, OpenConfig
 from conformance.plan.registry import BackendError, load_backend
-from conformance.report.certificate import build_certificate, render_markdown
+from conformance.report.certificate import build_certificate
+from conformance.report.markdown import render_markdown
+from conformance.report.results_json import results_from_json
 
 pytest_plugins = ["pytester"]
 
@@ -126,7 +128,7 @@ def test_the_backends_progress_lines_reach_the_results_and_the_certificate(
     ran = [c for c in results["checks"] if c["outcome"] == "passed"]
     assert ran and all(c["progress"] and set(c["progress"])
                        == {"specgate: compiled decode-b1-kv256 in 1.5 s"} for c in ran)
-    markdown = render_markdown(build_certificate(results))
+    markdown = render_markdown(build_certificate(results_from_json(results, "results.json")))
     section = markdown.split("## Backend progress", 1)[1].split("\n## ", 1)[0]
     assert f"- specgate: compiled decode-b1-kv256 in 1.5 s (`{ran[0]['nodeid']}`)" in section
     assert "noise" not in section

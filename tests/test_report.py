@@ -5,23 +5,21 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from conformance.report.certificate import (
-    build_certificate,
-    indent_junit,
-    render_markdown,
-    summary_markdown,
-)
+from conformance.contract import Capabilities
+from conformance.report.certificate import build_certificate
+from conformance.report.junit import indent_junit
+from conformance.report.markdown import render_markdown
+from conformance.report.results import BackendIdentity, CheckRow, RunResults
+from conformance.report.summary import summary_markdown
 
 
-def row(nodeid: str, tier: str, outcome: str, message: str = "") -> dict[str, object]:
-    return {"nodeid": nodeid, "tier": tier, "requires": "algorithm:none", "outcome": outcome,
-            "duration": 0.5, "message": message, "figures": {}}
+def row(nodeid: str, tier: str, outcome: str, message: str = "") -> CheckRow:
+    return CheckRow(nodeid, tier, outcome, 0.5, "algorithm:none", message)
 
 
-def results(checks: list[dict[str, object]], interrupted: bool = False) -> dict[str, object]:
-    return {"backend": {"name": "b", "version": "1", "resolved_from": "b"},
-            "capabilities": {"algorithms": ["none"]}, "spec": "none", "profile": "gate",
-            "vacuous": None, "interrupted": interrupted, "checks": checks}
+def results(checks: list[CheckRow], interrupted: bool = False) -> RunResults:
+    return RunResults(BackendIdentity("b", "1", "b"), Capabilities(), "none", "gate",
+                      tuple(checks), interrupted=interrupted)
 
 
 CHECKS = [row("test_lossless.py::a", "lossless", "passed"),

@@ -14,6 +14,7 @@ import pytest
 from conformance import cli
 from conformance.backends.mutants import source_patches as sm
 from conformance.plan.registry import BackendError, load_backend
+from conformance.plan.run_plan import RunPlan
 from conformance.run.suite import SuiteOptions, suite_args, suite_dir
 
 TESTS = Path(__file__).resolve().parent
@@ -67,7 +68,7 @@ def _tier(mutant: sm.SourceMutant, tier: str, tmp_path: Path, *extra: str
     """One tier of the suite in gate, against ``mutant``, in its patched subprocess."""
     tmp_path.mkdir()
     results = tmp_path / "results.json"
-    opts = SuiteOptions(f"mutant:{mutant.name}", mutant.spec, "gate", "tiny-code")
+    opts = SuiteOptions(RunPlan(f"mutant:{mutant.name}", (mutant.spec,)))
     args = [str(suite_dir() / f"test_{tier}.py"), *suite_args(opts, results, None)[1:], *extra]
     done = sm.run_patched(mutant, args, python_path=(TESTS,))
     assert results.exists(), done.stdout[-2000:] + done.stderr[-2000:]

@@ -9,6 +9,7 @@ import pytest
 
 from conformance.backends.refengine import RefEngineBackend
 from conformance.contract import SpecConfig, unclaimed_under
+from conformance.plan.run_plan import RunPlan
 from conformance.plan.specs import SPECS, config_id
 from conformance.run.suite import SuiteOptions, run_suite
 
@@ -62,9 +63,9 @@ def test_an_unclaimed_flag_is_refused_as_an_exception() -> None:
 
 def test_the_check_is_not_claimed_under_that_configuration_alone(tmp_path: Path) -> None:
     node = f"test_golden.py::test_acceptance_matches_golden[{config_id(S5)}]"
-    run = run_suite(SuiteOptions("tests.test_unclaimed_under:not_at_five_steps", "eagle",
-                                 "gate", "tiny-code", only=(node,)), tmp_path / "results.json")
+    run = run_suite(SuiteOptions(RunPlan("tests.test_unclaimed_under:not_at_five_steps",
+                                         ("eagle",), only=(node,))), tmp_path / "results.json")
     assert run.results is not None, run.problems
-    (row,) = run.results["checks"]  # type: ignore[index]
-    assert row["outcome"] == "not claimed"
-    assert f"reference_draft under {config_id(S5)} ({WHY})" in row["message"]
+    (row,) = run.results.checks
+    assert row.outcome == "not claimed"
+    assert f"reference_draft under {config_id(S5)} ({WHY})" in row.message

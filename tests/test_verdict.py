@@ -4,20 +4,23 @@ tier that compared nothing says not applicable (T5 of the honest-verdict work)."
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from conformance.cli import main
-from conformance.report.certificate import build_certificate, render_markdown
+from conformance.report.certificate import SelfCheck, build_certificate
+from conformance.report.markdown import render_markdown
+from conformance.report.results import CheckRow
 from conformance.report.verdict import vacuous_reason
 from tests.test_report import results, row
 
 CONTROL = "test_distribution.py::test_negative_control_is_rejected[top-p]"
 
 
-def self_check(outcome: str, message: str = "") -> dict[str, object]:
-    return {**row(CONTROL, "distribution", outcome, message), "self_check": True}
+def self_check(outcome: str, message: str = "") -> CheckRow:
+    return replace(row(CONTROL, "distribution", outcome, message), self_check=True)
 
 
 def test_self_checks_are_not_counted_as_the_backends_passes() -> None:
@@ -25,7 +28,7 @@ def test_self_checks_are_not_counted_as_the_backends_passes() -> None:
                                       self_check("passed")]))
     assert cert.status == "passed"
     assert [t.tier for t in cert.tiers] == ["lossless"] and cert.total_checks == 1
-    assert cert.self_checks == [{"check": CONTROL, "outcome": "passed", "message": ""}]
+    assert cert.self_checks == [SelfCheck(CONTROL, "passed", "")]
     md = render_markdown(cert)
     assert "## Suite self-checks" in md and f"| `{CONTROL}` | passed | — |" in md
 

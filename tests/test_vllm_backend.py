@@ -36,7 +36,7 @@ def test_factory_without_vllm_names_the_install(monkeypatch):
 
 
 def test_registered_under_its_name():
-    from conformance.run import registry
+    from conformance.plan import registry
 
     assert registry.BUILTIN["vllm"] == "conformance.backends.vllm:backend"
     assert registry.EXTRAS["vllm"] == "vllm"
@@ -203,7 +203,7 @@ def test_refuses_what_it_cannot_run(vllm_backend):
 def test_page_size_is_a_block_size_of_a_multiple_of_32():
     """The suite asks only multiples of ``page_multiple``; anything else is refused, naming
     ``page_size``, before vLLM starts."""
-    from conformance.backends.vllm.adapter import engine_args
+    from conformance.backends.vllm.engine_config import engine_args
 
     assert engine_args(OpenConfig())[0].block_size == 32
     assert engine_args(OpenConfig(page_size=64, kv_pool_tokens=100))[0].block_size == 64
@@ -214,11 +214,11 @@ def test_page_size_is_a_block_size_of_a_multiple_of_32():
 
 @needs_vllm
 def test_ngram_maps_to_vllm_prompt_lookup():
-    from conformance.backends.vllm.adapter import _speculative_config
+    from conformance.backends.vllm.engine_config import speculative_config
     from specwire.params import NGRAM_MAX, NGRAM_MIN
 
     spec = SpecConfig(algorithm="ngram", num_steps=5, topk=1, num_draft_tokens=6)
-    assert _speculative_config(OpenConfig(spec=spec)) == {
+    assert speculative_config(OpenConfig(spec=spec)) == {
         "method": "ngram", "num_speculative_tokens": 5,
         "prompt_lookup_max": NGRAM_MAX, "prompt_lookup_min": NGRAM_MIN}
 

@@ -252,14 +252,15 @@ def test_finished_request_blocks_are_freed_one_step_late() -> None:
 # --- the certification kills each plant; clean vLLM passes the same checks -------------------
 
 def _certify(tmp_path: Path, factory: str, spec: str, only: tuple[str, ...]) -> dict[str, str]:
+    from conformance.plan.run_plan import RunPlan
     from conformance.run.suite import SuiteOptions, run_suite
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     head = EAGLE_HEAD if spec == "eagle" else None
-    run = run_suite(SuiteOptions(factory, spec, "gate", "tiny-code", head, only=only),
+    run = run_suite(SuiteOptions(RunPlan(factory, (spec,), draft_model=head, only=only)),
                     tmp_path / "results.json")
     assert run.results is not None, run.problems
-    return {str(c["nodeid"]): str(c["outcome"]) for c in run.results["checks"]}  # type: ignore[index]
+    return {c.nodeid: c.outcome for c in run.results.checks}
 
 
 # EAGLE runs with the head vLLM drafts with as refengine does, so the golden tier applies.

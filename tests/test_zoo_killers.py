@@ -14,6 +14,7 @@ import pytest
 
 from conformance.backends.mutants import MUTANTS
 from conformance.backends.mutants.source_patches import SOURCE_MUTANTS
+from conformance.plan.run_plan import RunPlan
 from conformance.run.suite import SuiteOptions, run_suite
 
 ZOO = {**MUTANTS, **SOURCE_MUTANTS}
@@ -55,12 +56,11 @@ def test_every_mutant_names_its_killer() -> None:
 def test_mutant_is_killed_by_its_named_check(name: str, tmp_path: Path) -> None:
     mutant = ZOO[name]
     assert mutant.killed_by is not None
-    opts = SuiteOptions(f"mutant:{name}", mutant.spec, "gate", "tiny-code",
-                        only=(mutant.killed_by,))
+    opts = SuiteOptions(RunPlan(f"mutant:{name}", (mutant.spec,), only=(mutant.killed_by,)))
     run = run_suite(opts, tmp_path / "results.json")
     assert run.results is not None, run.problems
-    rows = {str(c["nodeid"]): c for c in run.results["checks"]}  # type: ignore[union-attr]
+    rows = {c.nodeid: c for c in run.results.checks}
     assert mutant.killed_by in rows, (
         f"{name}: {mutant.killed_by} is no check of spec {mutant.spec} (ran: {sorted(rows)})")
     row = rows[mutant.killed_by]
-    assert row["outcome"] == "failed", f"{name} survived {mutant.killed_by}: {row}"
+    assert row.outcome == "failed", f"{name} survived {mutant.killed_by}: {row}"

@@ -106,9 +106,9 @@ def _register_kernels_first() -> None:
     process (docs/backends/vllm.md); the adapter then keeps it from running a second time."""
     from vllm.platforms import current_platform
 
-    from conformance.backends.vllm.adapter import _kernel_overrides_once
+    from conformance.backends.vllm.process import kernel_overrides_once
 
-    _kernel_overrides_once()
+    kernel_overrides_once()
     if "llvmlite.binding.ffi" not in sys.modules:   # else too late: it would raise
         current_platform.register_triton_kernel_overrides()
 

@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from conformance.plan.arguments import GRAPHS_AUTO, add_graphs_argument, count
+from conformance.plan.device import device_arg
 from conformance.plan.preflight import validate
 from conformance.plan.usage import UsageError
 from conformance.report.files import output_file, write_atomically
@@ -15,12 +17,46 @@ if TYPE_CHECKING:
     from conformance.contract import Backend
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from conformance.plan.specs import SPECS
+
+    parser.add_argument("--backends", default=None,
+                        help="comma-separated (unset: refengine,hf for --spec none; refengine "
+                             "otherwise, compared with its own plain decoding; with a spec, "
+                             "further backends decode plainly beside it)")
+    parser.add_argument("--spec", default="none",
+                        help=f"{' | '.join(SPECS)} | chains; eagle-v2 runs beside its V1 twins, "
+                             "mtp beside EAGLE at equal N; chains: plain, EAGLE, n-gram and "
+                             "draft-model chains on every backend claiming each, every "
+                             "(backend, lane) in a process of its own, outputs compared")
+    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
+    parser.add_argument("--max-new-tokens", type=count, default=64, help="tokens per request")
+    parser.add_argument("--model", default="tiny-code", help="fixture name or model directory")
+    parser.add_argument("--min-requests", type=count, default=8,
+                        help="requests per batch size at least: batch b runs ceil(n/b) groups")
+    parser.add_argument("--repeats", type=count, default=1,
+                        help="run every group this many times per lane and keep the fastest")
+    parser.add_argument("--json", default=None,
+                        help="also write the figures to this file (its directory is created)")
+    parser.add_argument("--draft-model", default=None,
+                        help="override the spec configurations' draft model (--spec chains: "
+                             "the EAGLE lanes' head, default tiny-code-eagle-vllm)")
+    add_graphs_argument(parser, GRAPHS_AUTO, "also run each lane of a backend claiming "
+                        "graph_runner through its graph runner with this executor, in a lane "
+                        "of its own: %(choices)s; auto: the device's fastest (aot on the CPU, "
+                        "whose first run on a machine compiles each key for minutes in all; "
+                        "cuda graphs on a GPU); none: no graph lanes")
+    parser.add_argument("--device", default="cpu", type=device_arg,
+                        help="where every backend runs: cpu, cuda or cuda:N; on CUDA the table "
+                             "adds device time per step, capture cost and GPU memory")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from conformance.bench.lanes import CHAINS, parse_backends, parse_batch_sizes
     from conformance.bench.measure import run_bench
     from conformance.bench.result import format_table
+    from conformance.plan.device import best_graphs, device_problem
     from conformance.report.progress import Steps
-    from conformance.run.device import best_graphs, device_problem
 
     graphs = best_graphs(args.graphs, args.device)
     problem = device_problem(args.device, graphs)
@@ -36,7 +72,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     loaded = validate("none" if chains else args.spec, backends, args.model,
                       None if chains else args.draft_model)
     if graphs and not any(b.capabilities().graph_runner for b in loaded):
-        if args.graphs != "auto":  # asked for by name: say why it cannot be had
+        if args.graphs != GRAPHS_AUTO:  # asked for by name: say why it cannot be had
             raise UsageError(f"--graphs: none of {', '.join(backends)} claims graph_runner")
         graphs = None  # the default: graph lanes for the backends that have a graph runner
     json_path = output_file(args.json) if args.json else None

@@ -133,10 +133,11 @@ def _timing(runs: list[GroupRun], spec: SpecConfig | None) -> BackendTiming:
     for r in runs:
         for k, v in r.phase_seconds.items():
             phases[k] = phases.get(k, 0.0) + v
-    stats = summarize(accepts, spec.num_steps) if spec else {}
+    stats = summarize(accepts, spec.num_steps) if spec else None
     peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
     return BackendTiming(tokens / seconds if seconds > 0 else 0.0, tokens, seconds,
-                         stats.get("mean_tau"), list(stats.get("per_position_acceptance", [])),
+                         None if stats is None else stats["mean_tau"],
+                         [] if stats is None else list(stats["per_position_acceptance"]),
                          {k: round(v, 4) for k, v in phases.items()},
                          steps=sum(r.run.steps for r in runs),
                          peak_gpu_bytes=max(peaks) if peaks else None,
@@ -233,27 +234,7 @@ def run_lanes(lanes: list[Lane], workload: Workload, progress: BenchProgress,
         for b in batch_sizes:
             progress.start(f"batch {b} ({groups[b]} group(s) x {workload.repeats} repeat(s))")
             batches = [prompts[g * b:(g + 1) * b] for g in range(groups[b])]
-            first_use: dict[str, float] = {}
-            for lane in (ln for ln in lanes if ln.graphs):
-                before = meter.allocated_bytes()
-                first_use[lane.label] = _run_groups(handles[lane.label], batches,
-                                                    max_new_tokens, f"b{b}warmup", meter)
-                _keep_growth(held, lane.label, before, meter)
-                progress.note(f"{lane.label}: batch {b} warm-up (first use of its graph "
-                              f"shapes) {first_use[lane.label]:.1f} s, untimed")
-            runs = _timed_groups(lanes, handles, batches, max_new_tokens, workload.repeats,
-                                 f"b{b}", meter)
-            row = BenchRow(batch_size=b)
-            for lane in lanes:
-                timing = _timing(runs[lane.label], lane.spec)
-                if lane.label in first_use:
-                    timing.capture_seconds = round(max(0.0, first_use[lane.label]
-                                                       - timing.seconds), 4)
-                timing.held_gpu_bytes = held.get(lane.label)
-                timing.device_seconds = meter.kernel_seconds(partial(
-                    _run_groups, handles[lane.label], batches, max_new_tokens, f"b{b}profile",
-                    meter))
-                row.results[lane.label] = timing
+            row = _batch_size_row(b, batches, lanes, handles, held, workload, meter, progress)
             progress.done(", ".join(f"{label} {t.tokens_per_s:,.1f} tok/s ({t.total_tokens} "
                                     f"tokens in {t.seconds:.3f} s)"
                                     for label, t in row.results.items()))
@@ -262,6 +243,37 @@ def run_lanes(lanes: list[Lane], workload: Workload, progress: BenchProgress,
         for handle in handles.values():
             handle.close()
     return result
+
+
+def _batch_size_row(b: int, batches: list[list[tuple[int, ...]]], lanes: list[Lane],
+                    handles: dict[str, EngineHandle], held: dict[str, int], workload: Workload,
+                    meter: DeviceMeter, progress: BenchProgress) -> BenchRow:
+    """Batch size ``b`` on every lane: each graph lane's untimed first use of its shapes
+    (``capture_seconds``: its wall time over the timed pass's), the timed groups, and on CUDA
+    each lane's profiled device time."""
+    max_new_tokens = workload.max_new_tokens
+    first_use: dict[str, float] = {}
+    for lane in (ln for ln in lanes if ln.graphs):
+        before = meter.allocated_bytes()
+        first_use[lane.label] = _run_groups(handles[lane.label], batches,
+                                            max_new_tokens, f"b{b}warmup", meter)
+        _keep_growth(held, lane.label, before, meter)
+        progress.note(f"{lane.label}: batch {b} warm-up (first use of its graph "
+                      f"shapes) {first_use[lane.label]:.1f} s, untimed")
+    runs = _timed_groups(lanes, handles, batches, max_new_tokens, workload.repeats,
+                         f"b{b}", meter)
+    row = BenchRow(batch_size=b)
+    for lane in lanes:
+        timing = _timing(runs[lane.label], lane.spec)
+        if lane.label in first_use:
+            timing.capture_seconds = round(max(0.0, first_use[lane.label]
+                                               - timing.seconds), 4)
+        timing.held_gpu_bytes = held.get(lane.label)
+        timing.device_seconds = meter.kernel_seconds(partial(
+            _run_groups, handles[lane.label], batches, max_new_tokens, f"b{b}profile",
+            meter))
+        row.results[lane.label] = timing
+    return row
 
 
 def _keep_growth(held: dict[str, int], label: str, before: int | None,

@@ -6,12 +6,37 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from conformance.plan.arguments import count
 from conformance.plan.preflight import validate
 from conformance.plan.usage import UsageError
 from conformance.report.files import write_atomically
 
 if TYPE_CHECKING:
     from conformance.contract import SpecConfig
+
+
+def add_golden_arguments(parser: argparse.ArgumentParser) -> None:
+    from conformance.checks.golden_scenarios import SCENARIOS
+    from conformance.plan.specs import SPECS
+
+    parser.add_argument("action", choices=["record", "check"])
+    parser.add_argument("--spec", default="all",
+                        help=f"{' | '.join(n for n in SPECS if n != 'none')} | all")
+    parser.add_argument("--prompt-set", default="default", help="a set in fixtures/prompts")
+    parser.add_argument("--max-new-tokens", type=count, default=128,
+                        help="tokens per request of the plain trace (the chunked and session "
+                             "traces: 32)")
+    parser.add_argument("--trace", action="append", choices=list(SCENARIOS), default=None,
+                        help="only this trace of each configuration (repeatable; default: all)")
+    parser.add_argument("--model", default="tiny-code", help="fixture name or model directory")
+    parser.add_argument("--draft-model", default=None,
+                        help="a bundled draft fixture in place of the spec's own (one --spec): "
+                             "its traces are kept under golden/<config>@<draft model>")
+
+
+def add_expected_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["record", "check"])
+    parser.add_argument("--model", default="tiny-code", help="a bundled fixture")
 
 
 def _golden_configs(spec: str, draft_model: str | None = None) -> list[SpecConfig]:

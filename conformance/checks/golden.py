@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict, TypeVar
 
 from conformance.checks.golden_scenarios import PLAIN, Planned, Scenario, sessions_of, waves
 from conformance.checks.oracle import top2_margins
@@ -38,12 +39,34 @@ from conformance.plan.specs import SPECS, config_id
 from refengine import Engine, EngineConfig, FinishEvent, RetractEvent, SamplingParams, SpecConfig
 from refengine.data import fixture_names, fixtures_root, golden_root
 
+if TYPE_CHECKING:
+    from syrupy.data import SnapshotCollection
+    from syrupy.extensions.json import JSONSnapshotExtension
+    from syrupy.location import PyTestLocation
+    from syrupy.types import (
+        PropertyFilter,
+        PropertyMatcher,
+        SerializableData,
+        SerializedData,
+        SnapshotIndex,
+    )
+
 SCHEMA_VERSION = 1
 FRAGILE_MARGIN = 1e-3     # logits: a closer top-2 is a near-tie
 TAU_RTOL = 0.05           # mean tau of another backend within 5% of the golden one
 RECORD_MAX_NEW_TOKENS = 128
 # Fields a trace leaves out of its file when unset, so traces without them keep their bytes.
 UNSET_OMITTED = ("session_id", "max_prefill_tokens", "retractions", "retract_every")
+V = TypeVar("V")
+
+
+class AcceptanceSummary(TypedDict):
+    """``summarize``: mean tau (None without verify steps), the verify steps it is over, and
+    per-position acceptance."""
+
+    mean_tau: float | None
+    verify_steps: int
+    per_position_acceptance: list[float]
 
 
 @dataclass
@@ -77,11 +100,11 @@ class GoldenRequest:
 class GoldenTrace:
     schema_version: int
     fixtures: dict[str, str]
-    spec: dict[str, object]
-    sampling: dict[str, object]
+    spec: SpecConfig
+    sampling: SamplingParams
     prompt_set: str
     requests: list[GoldenRequest]
-    summary: dict[str, object]
+    summary: AcceptanceSummary
     max_prefill_tokens: int | None = None  # the prefill budget it ran under (None: default)
     retract_every: int | None = None  # the forced-retraction hook it ran under (None: off)
 
@@ -96,14 +119,16 @@ class GoldenTrace:
         if raw.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(f"golden trace schema {raw.get('schema_version')} != {SCHEMA_VERSION}")
         raw["requests"] = [GoldenRequest(**r) for r in raw["requests"]]
+        raw["spec"] = SpecConfig(**raw["spec"])
+        raw["sampling"] = SamplingParams(**raw["sampling"])
         return cls(**raw)
 
 
-def _without_unset(raw: dict[str, object]) -> dict[str, object]:
+def _without_unset(raw: dict[str, V]) -> dict[str, V]:
     return {k: v for k, v in raw.items() if not (k in UNSET_OMITTED and v is None)}
 
 
-def summarize(accept_lens: list[list[int]], num_steps: int) -> dict[str, object]:
+def summarize(accept_lens: list[list[int]], num_steps: int) -> AcceptanceSummary:
     """Mean tau (tokens per verify, bonus included) and per-position acceptance: the share of
     verify steps whose j-th draft token was accepted, j = 1..num_steps."""
     steps = [n for lens in accept_lens for n in lens]
@@ -181,8 +206,8 @@ def record(config: SpecConfig, prompt_set: str, model: str = "tiny-code",
         requests.append(GoldenRequest(p.id, p.prompt_ids, output,
                                       list(done[p.id].accept_lens), fragile, p.session_id,
                                       retracted[p.id] if scenario.retract_every else None))
-    return GoldenTrace(SCHEMA_VERSION, fixture_hashes(config, model), asdict(config),
-                       asdict(params), prompt_set, requests,
+    return GoldenTrace(SCHEMA_VERSION, fixture_hashes(config, model), config, params,
+                       prompt_set, requests,
                        summarize([r.accept_lens for r in requests], config.num_steps),
                        scenario.max_prefill_tokens, scenario.retract_every or None)
 
@@ -221,7 +246,7 @@ def load(config: SpecConfig, name: str) -> GoldenTrace:
         raise FileNotFoundError(f"no golden trace {path} (record it with `specgate golden "
                                 "record`)")
     trace = GoldenTrace.from_json(path.read_text())
-    recorded = trace.spec.get("draft_model")
+    recorded = trace.spec.draft_model
     if config.needs_draft_model and recorded != config.draft_model:
         raise ValueError(f"golden trace {path} was recorded with draft model {recorded!r}, "
                          f"not {config.draft_model!r}")
@@ -299,7 +324,7 @@ def compare(golden: GoldenTrace, outputs: dict[str, list[int]],
     return problems
 
 
-def syrupy_extension(trace_name: str = "default") -> type:
+def syrupy_extension(trace_name: str = "default") -> type[JSONSnapshotExtension]:
     """A syrupy extension that compares a ``GoldenTrace`` with
     ``golden/<config>/<trace_name>.json``.
 
@@ -313,7 +338,7 @@ def syrupy_extension(trace_name: str = "default") -> type:
         prompt_set = trace_name
 
         @classmethod
-        def dirname(cls, *, test_location) -> str:  # type: ignore[no-untyped-def,override]
+        def dirname(cls, *, test_location: PyTestLocation) -> str:
             # syrupy (7+) also asks for the directory of every other collected test file, to
             # find orphaned snapshots; an unparametrized test has no config, hence no traces.
             name = test_location.nodename
@@ -322,14 +347,18 @@ def syrupy_extension(trace_name: str = "default") -> type:
             return str(golden_root() / name.split("[", 1)[1].rstrip("]"))
 
         @classmethod
-        def get_snapshot_name(cls, *, test_location, index=0) -> str:  # type: ignore[no-untyped-def,override]
+        def get_snapshot_name(cls, *, test_location: PyTestLocation, index: SnapshotIndex = 0
+                              ) -> str:
             return cls.prompt_set
 
-        def serialize(self, data, **kwargs) -> str:  # type: ignore[no-untyped-def,override]
+        def serialize(self, data: SerializableData, *, exclude: PropertyFilter | None = None,
+                      include: PropertyFilter | None = None,
+                      matcher: PropertyMatcher | None = None) -> SerializedData:
             return data.to_json() if isinstance(data, GoldenTrace) else str(data)
 
         @classmethod
-        def write_snapshot_collection(cls, *, snapshot_collection, name_order=None) -> None:  # type: ignore[no-untyped-def,override]
+        def write_snapshot_collection(cls, *, snapshot_collection: SnapshotCollection,
+                                      name_order: dict[str, int] | None = None) -> None:
             raise RuntimeError("golden traces are written only by `specgate golden record`")
 
     return GoldenExtension

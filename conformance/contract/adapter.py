@@ -67,7 +67,9 @@ class Capabilities:
             raise ValueError(f"unknown capability {name!r} (known: {sorted(FLAG_NAMES)})")
         return bool(getattr(self, name))
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self) -> dict[str, list[str] | str | int | bool]:
+        """The capabilities as JSON takes them: the algorithms sorted, the precision, the page
+        multiple, then every flag by name."""
         return {"algorithms": sorted(self.algorithms), "precision": self.precision,
                 "page_multiple": self.page_multiple,
                 **{n: bool(getattr(self, n)) for n in sorted(FLAG_NAMES)}}

@@ -26,7 +26,8 @@ def stop_string_index(text: str, stops: tuple[str, ...]) -> int | None:
     return min(hits) if hits else None
 
 
-def eos_token_id(config_eos: object, tokenizer_eos: object = None) -> int:
+def eos_token_id(config_eos: int | list[int] | tuple[int, ...] | None,
+                 tokenizer_eos: int | None = None) -> int:
     """The EOS id the way refengine reads it: config.json's (the first if a list), else 0.
 
     A config without one falls back to ``tokenizer_eos`` (if the backend's tokenizer knows one)
@@ -37,7 +38,7 @@ def eos_token_id(config_eos: object, tokenizer_eos: object = None) -> int:
         eos = eos[0] if eos else None
     if eos is None:
         eos = tokenizer_eos
-    return int(eos) if eos is not None else 0  # type: ignore[call-overload]
+    return int(eos) if eos is not None else 0
 
 
 @dataclass(frozen=True)

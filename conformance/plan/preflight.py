@@ -1,4 +1,5 @@
-"""The checks every command makes before any work: specs, backends, model files."""
+"""The checks every command makes before any work: specs, backends, model files, what a
+backend's contract version cannot express, and a backend's refusal of the model."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import TYPE_CHECKING
 from conformance.plan.usage import UsageError
 
 if TYPE_CHECKING:
-    from conformance.contract import Backend
+    from conformance.contract import Backend, OpenConfig
 
 
 def validate(spec: str, backends: list[str], model: str, draft_model: str | None = None
@@ -30,3 +31,35 @@ def validate(spec: str, backends: list[str], model: str, draft_model: str | None
     except (BackendError, ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
     return loaded
+
+
+def contract_refusal(backend: Backend, model: str, device: str) -> OpenConfig:
+    """The backend's open configuration for ``model`` on ``device`` (every other setting at
+    its default) as its contract version defines it; UsageError where that version cannot
+    express the run (a device other than the CPU, for contract 1)."""
+    from conformance.contract import OpenConfig
+    from conformance.contract.versions import ContractRefusal, config_for, declared_version
+
+    try:
+        return config_for(OpenConfig(model=model, device=device), declared_version(backend),
+                          backend.name)
+    except ContractRefusal as err:
+        raise UsageError(str(err)) from None
+
+
+def refuses_model(backend: Backend, cfg: OpenConfig) -> None:
+    """Open ``backend`` once on the model with every other setting at its default, before any
+    check runs: a model specgate's own checks accept and the backend does not (vLLM refusing an
+    architecture, weights its loader cannot read) is then one line and exit 2, not every check
+    failing with the same line. The contract lets ``open`` refuse only with ``ValueError``;
+    anything else raised here is left for the suite, whose checks report it as the failure it
+    is. Mutants are the reference engine, whose loader ``validate`` already ran."""
+    try:
+        handle = backend.open(cfg)
+    except ValueError as err:
+        raise UsageError(f"--model {cfg.model}: backend {backend.name!r} refuses it: "
+                         f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
+                         ) from None
+    except Exception:  # reported by the suite's checks, with their context
+        return
+    handle.close()

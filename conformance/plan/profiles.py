@@ -24,11 +24,17 @@ class Profile:
     # Speculative shapes beyond the spec's named configurations the lossless tier runs
     # (``conformance.plan.shapes``).
     drawn_shapes: int
+    # Seconds each phase of a check may take by default (times the graph executor's factor):
+    # far above the slowest gate check on a busy machine (docs/measurements.md), so load does
+    # not trip the limit.
+    case_timeout: float
 
 
 PROFILES = {
     "gate": Profile("gate", "small", 32, (512,), fuzz_examples=5,
-                    fuzz_shrink_seconds=90, pressure_configs="widest", drawn_shapes=3),
+                    fuzz_shrink_seconds=90, pressure_configs="widest", drawn_shapes=3,
+                    case_timeout=300.0),
     "full": Profile("full", "default", 64, (512, 1024, 2048), fuzz_examples=100,
-                    fuzz_shrink_seconds=300, pressure_configs="all", drawn_shapes=6),
+                    fuzz_shrink_seconds=300, pressure_configs="all", drawn_shapes=6,
+                    case_timeout=1200.0),
 }

@@ -12,18 +12,19 @@ checks' properties: the lossless tier's ``tau`` per check, the golden tier's ``m
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from conformance.contract import SpecConfig
 from conformance.plan.specs import config_id
+from conformance.report.results import CheckRow, ConfigRecord, JsonValue, Scalar
 
 
-def config_record(config: SpecConfig | None) -> dict[str, object]:
+def config_record(config: SpecConfig | None) -> ConfigRecord:
     """A configuration as the results file states it: its id and every parameter."""
     if config is None:
-        return {"id": config_id(None), "algorithm": "none"}
-    return {"id": config_id(config), **asdict(config)}
+        return ConfigRecord(config_id(None), {"algorithm": "none"})
+    return ConfigRecord(config_id(config), asdict(config))
 
 
 def accept_histogram(accept_lens: Iterable[Iterable[int]]) -> dict[str, int]:
@@ -37,13 +38,25 @@ class ConfigRun:
     """One configuration as run, with what its checks measured (None: no check measured it)."""
 
     id: str
-    parameters: dict[str, object]
+    parameters: dict[str, Scalar]
     tau: float | None = None             # lossless tier: the mean of its checks' τ
     tau_checks: int = 0
     golden_tau: float | None = None      # golden tier: the backend's mean τ on golden prompts
     golden_reference_tau: float | None = None  # the golden trace's, same requests
     accept_hist: dict[str, int] = field(default_factory=dict)
     golden_accept_hist: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_steps(self) -> int | None:
+        """Drafts per verify step, where the configuration states it."""
+        steps = self.parameters.get("num_steps")
+        return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+
+
+@dataclass(frozen=True)
+class NearTie:
+    check: str
+    near_tie: str  # where the backend diverged, and the reference's top-2 margin there
 
 
 def config_of(nodeid: str, ids: list[str]) -> str | None:
@@ -56,28 +69,31 @@ def config_of(nodeid: str, ids: list[str]) -> str | None:
     return None
 
 
-def _add(hist: dict[str, int], more: object) -> None:
+def _number(value: JsonValue) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _add(hist: dict[str, int], more: JsonValue) -> None:
     if isinstance(more, dict):
         for length, count in more.items():
-            hist[str(length)] = hist.get(str(length), 0) + int(count)
+            hist[length] = hist.get(length, 0) + int(_number(count) or 0)
 
 
-def config_runs(configurations: list[dict[str, object]],
-                checks: list[dict[str, object]]) -> list[ConfigRun]:
-    runs = {str(c["id"]): ConfigRun(str(c["id"]), {k: v for k, v in c.items() if k != "id"})
-            for c in configurations}
+def config_runs(configurations: Sequence[ConfigRecord], checks: Sequence[CheckRow]
+                ) -> list[ConfigRun]:
+    runs = {c.id: ConfigRun(c.id, dict(c.parameters)) for c in configurations}
     taus: dict[str, list[float]] = {cid: [] for cid in runs}
     for check in checks:
-        cid = config_of(str(check["nodeid"]), list(runs))
-        figures = check.get("figures") or {}
-        if cid is None or not isinstance(figures, dict):
+        cid = config_of(check.nodeid, list(runs))
+        if cid is None:
             continue
-        run = runs[cid]
-        if "tau" in figures:
-            taus[cid].append(float(figures["tau"]))
+        run, figures = runs[cid], check.figures
+        tau = _number(figures.get("tau"))
+        if tau is not None:
+            taus[cid].append(tau)
         if "mean_tau" in figures:
-            run.golden_tau = figures["mean_tau"]  # type: ignore[assignment]
-            run.golden_reference_tau = figures.get("golden_mean_tau")  # type: ignore[assignment]
+            run.golden_tau = _number(figures["mean_tau"])
+            run.golden_reference_tau = _number(figures.get("golden_mean_tau"))
         _add(run.accept_hist, figures.get("accept_hist"))
         _add(run.golden_accept_hist, figures.get("golden_accept_hist"))
     for cid, values in taus.items():
@@ -87,12 +103,12 @@ def config_runs(configurations: list[dict[str, object]],
     return list(runs.values())
 
 
-def near_ties(checks: list[dict[str, object]]) -> list[dict[str, str]]:
+def near_ties(checks: Sequence[CheckRow]) -> list[NearTie]:
     """Every near-tie a check listed: where the backend diverged from the reference at a
     position whose top-2 margin is below the declared precision's bound."""
     found = []
     for check in checks:
-        figures = check.get("figures") or {}
-        for tie in (figures.get("near_ties") or []) if isinstance(figures, dict) else []:
-            found.append({"check": str(check["nodeid"]), "near_tie": str(tie)})
+        ties = check.figures.get("near_ties")
+        if isinstance(ties, list):
+            found += [NearTie(check.nodeid, str(tie)) for tie in ties]
     return found

@@ -80,14 +80,9 @@ def print_summary(title: str, certs: list[Certificate], summary: Path) -> None:
 def print_certificate(cert: Certificate, where: Path) -> None:
     """The tier table, then the checks that did not run, each failure with the command that
     replays it, and what the known-failures file did; ``where``: the certificate directory."""
-    from conformance.report.certificate import (
-        OUTCOMES,
-        full_headline,
-        headline,
-        rerun_of,
-        tier_share,
-    )
+    from conformance.report.certificate import full_headline, headline, rerun_of, tier_share
     from conformance.report.failures import console_lines
+    from conformance.report.verdict import OUTCOMES
 
     counts = OUTCOMES
     rows = []
@@ -95,7 +90,7 @@ def print_certificate(cert: Certificate, where: Path) -> None:
         style = {"failed": "bold red", "passed": "green"}.get(t.status, "yellow")
         rows.append([t.tier, tier_share(t), *(str(t.counts.get(o, 0)) for o in counts),
                      f"{t.seconds:.1f}", f"[{style}]{t.status}[/]"])
-    print_table(f"specgate certificate for {cert.backend['name']} {cert.backend['version']}, "
+    print_table(f"specgate certificate for {cert.backend.name} {cert.backend.version}, "
                  f"spec {cert.spec}: {headline(cert)}",
                  ["tier", "ran", *counts, "seconds", "status"], rows,
                  right=("ran", *counts, "seconds"))
@@ -107,12 +102,12 @@ def print_certificate(cert: Certificate, where: Path) -> None:
         for why, n in t.not_run.items():
             out.print(f"  {t.tier}: {n} check(s) {why}", markup=False)
     if cert.self_checks:
-        outcomes = Counter(c["outcome"] for c in cert.self_checks)
+        outcomes = Counter(c.outcome for c in cert.self_checks)
         out.print("  suite self-checks (not the backend's; not counted above): "
                   + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())), markup=False)
         for c in cert.self_checks:
-            if c["outcome"] == "failed":
-                out.print(f"    FAILED {c['check']}: {c['message']}", markup=False)
+            if c.outcome == "failed":
+                out.print(f"    FAILED {c.check}: {c.message}", markup=False)
     for line in console_lines(cert.failures, rerun_of(cert), cert.known_failures, where):
         out.print(line, markup=False, soft_wrap=True)  # commands stay whole for copy-paste
     out.print(f"reports: {where / 'report.md'}, {where / 'report.json'}, "

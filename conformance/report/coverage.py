@@ -14,12 +14,13 @@ check could not apply, not that the backend declined it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from conformance.report.verdict import KNOWN_FAILURE
+from conformance.contract import Capabilities
+from conformance.report.results import CheckRow
+from conformance.report.verdict import KNOWN_FAILURE, NOT_CLAIMED
 
-NOT_CLAIMED = "not claimed"
 RAN = ("passed", "failed", KNOWN_FAILURE)
 SPEC_LEVEL = ("tree", "overlap")  # with algorithm:<name>: what the spec asks, not a class
 
@@ -76,42 +77,47 @@ class Coverage:
         return f"coverage class {name!r} not met: {self.gaps[name]}"
 
 
-def _flags(row: Mapping[str, object]) -> set[str]:
-    return {c for c in str(row.get("requires", "")).split(",")
+def claims(caps: Capabilities, name: str) -> bool:
+    """Whether ``caps`` claims the capability ``name`` (one the contract does not know: no)."""
+    try:
+        return caps.claims(name)
+    except ValueError:
+        return False
+
+
+def _flags(row: CheckRow) -> set[str]:
+    return {c for c in row.requires.split(",")
             if c and not c.startswith("algorithm:") and c not in SPEC_LEVEL}
 
 
-def _wanting(row: Mapping[str, object], claimed: Mapping[str, object]) -> list[str]:
+def _wanting(row: CheckRow, claimed: Capabilities) -> list[str]:
     """The capabilities a not-claimed check lacked: its required ones the backend does not
     claim, else (claimed, but not under this configuration: ``unclaimed_under``) the flag its
     message names first."""
-    algorithms = set(claimed.get("algorithms", ()))  # type: ignore[call-overload]
-    lacking = [c for c in str(row.get("requires", "")).split(",") if c and not (
-        c.split(":", 1)[1] in algorithms if c.startswith("algorithm:") else claimed.get(c))]
+    lacking = [c for c in row.requires.split(",") if c and not claims(claimed, c)]
     if lacking:
         return lacking
-    said = str(row.get("message", "")).removeprefix(f"{NOT_CLAIMED}: ").split(" ", 1)[0]
+    said = row.message.removeprefix(f"{NOT_CLAIMED}: ").split(" ", 1)[0]
     return [said.rstrip(",;")] if said else ["?"]
 
 
-def coverage(checks: Sequence[Mapping[str, object]], claimed: Mapping[str, object]
-             ) -> Coverage:
+def coverage(checks: Sequence[CheckRow], claimed: Capabilities) -> Coverage:
     """The coverage of a certificate's backend checks (self-checks excluded by the caller);
     ``claimed``: the certificate's capabilities."""
-    outcomes = Counter(str(r["outcome"]) for r in checks)
+    outcomes = Counter(r.outcome for r in checks)
     missing: Counter[str] = Counter()
     for row in checks:
-        if row["outcome"] == NOT_CLAIMED:
+        if row.outcome == NOT_CLAIMED:
             missing.update(_wanting(row, claimed))
-    gaps: dict[str, list[str]] = {}
+    gaps: dict[str, str] = {}
     met = None
     for cls in CLASSES:
         needed = [r for r in checks if cls.flags is None or _flags(r) <= cls.flags]
-        lacking = {name for r in needed if r["outcome"] == NOT_CLAIMED
+        lacking = {name for r in needed if r.outcome == NOT_CLAIMED
                    for name in _wanting(r, claimed)}
         if lacking:
             gaps[cls.name] = f"checks it needs were not claimed ({', '.join(sorted(lacking))})"
-        elif not any(r["outcome"] in RAN for r in needed):
+        elif not any(r.outcome in RAN for r in needed):
             gaps[cls.name] = "none of its checks ran"
         elif not gaps:  # classes nest: met only if every smaller one is
             met = cls.name

@@ -8,6 +8,8 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Callable
 
+from conformance.report.results import Scalar
+
 UNKNOWN = "unknown"
 
 
@@ -25,7 +27,7 @@ def driver_version(run: Callable[..., subprocess.CompletedProcess[str]] = subpro
 
 
 def run_environment(device: str, dtype: str,
-                    driver: Callable[[], str] = driver_version) -> dict[str, object]:
+                    driver: Callable[[], str] = driver_version) -> dict[str, Scalar]:
     """The environment record of a run on ``device`` whose backend computes in ``dtype``: on
     the CPU device "cpu" and no CUDA or driver version; on CUDA the device's name."""
     import torch

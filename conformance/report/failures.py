@@ -6,16 +6,23 @@ failure with its message and replay commands too."""
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-# check, message[, repro, repro_reproduces[, repro_not_replayed]] (``TierSummary.failures``)
-Failure = dict[str, str]
+from conformance.report.results import DEFAULT_MODEL, FLAT, KnownReport, Replay
+
 NOT_REPLAYABLE = ("its scenario replays clean: what failed is this check's own assertion, not "
                   "one a replay checks")
-Known = dict[str, object] | None    # ``KnownReport`` as report.json holds it
-DEFAULT_MODEL = "tiny-code"         # certify's --model default
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failed check of a tier (``TierSummary.failures``): its message and what replays it."""
+
+    check: str
+    message: str
+    replay: Replay | None = field(default=None, metadata=FLAT)
 
 
 @dataclass(frozen=True)
@@ -44,19 +51,6 @@ class Rerun:
         return " ".join(shlex.quote(w) for w in [*words, "--only", check])
 
 
-def replay_fields(row: Mapping[str, object]) -> dict[str, str]:
-    """A failed check's repro file (under the certificate directory) and whether replaying it
-    reproduced the failure ("yes", "no", "not replayed" and why not); nothing where the check
-    left none."""
-    if not row.get("repro"):
-        return {}
-    fields = {"repro": str(row["repro"]), "repro_reproduces": {True: "yes", False: "no"}.get(
-        row.get("repro_reproduces"), "not replayed")}  # type: ignore[arg-type]
-    if row.get("repro_not_replayed"):
-        fields["repro_not_replayed"] = str(row["repro_not_replayed"])
-    return fields
-
-
 def repro_command(backend: str, file: Path) -> str:
     """The exact command that replays a failure: its repro file (as the user can reach it),
     against the backend the run resolved. The file holds the spec configuration, so no
@@ -72,21 +66,21 @@ def _plain(text: str) -> str:
     return text
 
 
-def replay_lines(f: Mapping[str, object], backend: str, where: Path,
+def replay_lines(replay: Replay | None, listed_repro: str | None, backend: str, where: Path,
                  code: Callable[[str], str] = _plain) -> list[str]:
     """What replays a failure, one line each (``code`` formats a command or a path): its repro
     file under the certificate directory ``where`` (or why it does not replay), the repro file a
     known-failures entry names (``listed_repro``)."""
     out = []
-    if f.get("repro") and f.get("repro_reproduces") == "no":
-        out.append(f"repro file {code(str(where / str(f['repro'])))}: {NOT_REPLAYABLE}")
-    elif f.get("repro"):
-        why = f.get("repro_not_replayed")
+    if replay is not None and replay.repro_reproduces == "no":
+        out.append(f"repro file {code(str(where / replay.repro))}: {NOT_REPLAYABLE}")
+    elif replay is not None:
+        why = replay.repro_not_replayed
         unknown = ((f" (not replayed: {why})" if why else " (not replayed)")
-                   if f.get("repro_reproduces") == "not replayed" else "")
-        out.append(f"replay: {code(repro_command(backend, where / str(f['repro'])))}{unknown}")
-    if f.get("listed_repro"):
-        out.append(f"listed repro: {code(repro_command(backend, Path(str(f['listed_repro']))))}")
+                   if replay.repro_reproduces == "not replayed" else "")
+        out.append(f"replay: {code(repro_command(backend, where / replay.repro))}{unknown}")
+    if listed_repro:
+        out.append(f"listed repro: {code(repro_command(backend, Path(listed_repro)))}")
     return out
 
 
@@ -103,9 +97,10 @@ def failure_lines(failures: list[Failure], rerun: Rerun, where: Path) -> list[st
         return []
     out = ["## Failures", ""]
     for f in failures:
-        out.append(f"- `{f['check']}`: {f['message']}")
-        out.append(f"  - rerun: `{rerun.command(f['check'])}`")
-        out += [f"  - {line}" for line in replay_lines(f, rerun.backend, where, _markdown)]
+        out.append(f"- `{f.check}`: {f.message}")
+        out.append(f"  - rerun: `{rerun.command(f.check)}`")
+        out += [f"  - {line}" for line in replay_lines(f.replay, None, rerun.backend, where,
+                                                       _markdown)]
     return [*out, ""]
 
 
@@ -117,46 +112,50 @@ _KINDS = (("known", "known failure", "failed, excused: they do not fail the gate
           ("unknown", "listed, no such check", "no check of this certificate has that id"))
 
 
-def known_lines(known: Known, backend: str, where: Path) -> list[str]:
+def known_lines(known: KnownReport | None, backend: str, where: Path) -> list[str]:
     """The "Known failures" section of report.md (none without ``--known-failures``): each
     known failure with its message and what replays it (``backend``: the backend the run
     resolved; ``where``: the certificate directory)."""
     if known is None:
         return []
-    out = ["## Known failures", "", f"From `{known['file']}`"
-           + (" (`--strict-known`: a stale entry fails the gate)." if known["strict"] else
+    out = ["## Known failures", "", f"From `{known.file}`"
+           + (" (`--strict-known`: a stale entry fails the gate)." if known.strict else
               " (a stale entry is a warning; `--strict-known` makes it fail the gate)."), ""]
     for kind, name, why in _KINDS:
-        items = known[kind]
+        items = known.kind(kind)
         if not items:
             continue
         out += [f"**{name}: {len(items)}** ({why})", ""]
         for item in items:
-            until = f", until {item['expires']}" if item["expires"] else ""
-            now = f" (outcome: {item['outcome']})" if item["outcome"] else ""
-            out.append(f"- `{item['check']}`: {item['reason']}{until}{now}")
-            if item.get("message"):
-                out.append(f"  - message: {' '.join(str(item['message']).split())}")
-            out += [f"  - {line}" for line in replay_lines(item, backend, where, _markdown)]
+            until = f", until {item.expires}" if item.expires else ""
+            now = f" (outcome: {item.outcome})" if item.outcome else ""
+            out.append(f"- `{item.check}`: {item.reason}{until}{now}")
+            if item.message:
+                out.append(f"  - message: {' '.join(item.message.split())}")
+            out += [f"  - {line}" for line in replay_lines(item.replay, item.listed_repro,
+                                                           backend, where, _markdown)]
         out.append("")
-    if not any(known[kind] for kind, _, _ in _KINDS):
+    if not any(known.kind(kind) for kind, _, _ in _KINDS):
         out += ["No entry applies to this spec.", ""]
     return out
 
 
-def console_lines(failures: list[Failure], rerun: Rerun, known: Known, where: Path
-                  ) -> list[str]:
+def console_lines(failures: list[Failure], rerun: Rerun, known: KnownReport | None,
+                  where: Path) -> list[str]:
     """Plain lines under the console's tier table: each failure with the commands that rerun
     and replay it, and what the known-failures file did."""
     out = []
     for f in failures:
-        out.append(f"  FAILED {f['check']}: {first_line(f['message'])}")
-        out.append(f"    rerun: {rerun.command(f['check'])}")
-        out += [f"    {line}" for line in replay_lines(f, rerun.backend, where)]
-    for kind, name, _ in _KINDS if known is not None else ():
-        for item in known[kind]:  # type: ignore[index]
-            out.append(f"  {name}: {item['check']}: {item['reason']}")
-            if item.get("message"):
-                out.append(f"    message: {first_line(item['message'])}")
-            out += [f"    {line}" for line in replay_lines(item, rerun.backend, where)]
+        out.append(f"  FAILED {f.check}: {first_line(f.message)}")
+        out.append(f"    rerun: {rerun.command(f.check)}")
+        out += [f"    {line}" for line in replay_lines(f.replay, None, rerun.backend, where)]
+    if known is None:
+        return out
+    for kind, name, _ in _KINDS:
+        for item in known.kind(kind):
+            out.append(f"  {name}: {item.check}: {item.reason}")
+            if item.message:
+                out.append(f"    message: {first_line(item.message)}")
+            out += [f"    {line}" for line in replay_lines(item.replay, item.listed_repro,
+                                                           rerun.backend, where)]
     return out

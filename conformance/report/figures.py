@@ -14,9 +14,11 @@ cannot run here), and a figure beside a skipped check would read as measured.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conformance.report.coverage import RAN
+from conformance.report.results import CheckRow, JsonValue
 
 # figures with a section of their own (histograms and per-position rates: Acceptance; near-ties:
 # What was certified), left out of the tables
@@ -29,7 +31,7 @@ MAX_CELL = 40
 @dataclass
 class Recorded:
     nodeid: str
-    figures: dict[str, object]
+    figures: dict[str, JsonValue]
 
     @property
     def function(self) -> str:
@@ -108,18 +110,16 @@ def tier_tables(checks: list[Recorded]) -> list[str]:
     return [line for group in functions.values() for line in _function_table(group)]
 
 
-def figures_lines(checks: list[dict[str, object]]) -> list[str]:
+def figures_lines(checks: Sequence[CheckRow]) -> list[str]:
     """The "Figures" section of report.md (nothing when no check that ran recorded a
     figure)."""
     tiers: dict[str, list[Recorded]] = {}
-    for check in sorted(checks, key=lambda c: str(c["nodeid"])):
-        if check["outcome"] not in RAN:
+    for check in sorted(checks, key=lambda c: c.nodeid):
+        if check.outcome not in RAN:
             continue
-        figures = check.get("figures") or {}
-        shown = {k: v for k, v in figures.items()  # type: ignore[union-attr]
-                 if k not in SHOWN_ELSEWHERE}
+        shown = {k: v for k, v in check.figures.items() if k not in SHOWN_ELSEWHERE}
         if shown:
-            tiers.setdefault(str(check["tier"]), []).append(Recorded(str(check["nodeid"]), shown))
+            tiers.setdefault(check.tier, []).append(Recorded(check.nodeid, shown))
     if not tiers:
         return []
     out = ["## Figures", "", "What the checks recorded, per tier (\"—\": not recorded by that "

@@ -1,6 +1,6 @@
-"""junit.xml after the suite ran: known failures marked as skipped (so a CI test report shows
-what the certificate says), an interrupted run marked incomplete, and the shards' files joined
-into one (``specgate report merge``).
+"""junit.xml after the suite ran: indented, known failures marked as skipped (so a CI test
+report shows what the certificate says), an interrupted run marked incomplete, and the shards'
+files joined into one (``specgate report merge``).
 
 pytest writes one ``<testsuite>`` whose ``<testcase classname="test_lossless" name="...">`` are
 the checks; a check's node id ``test_lossless.py::name`` maps to that pair.
@@ -35,6 +35,11 @@ def _recount(suite: ET.Element) -> None:
 def _write(tree: ET.ElementTree, path: Path) -> None:
     ET.indent(tree)
     tree.write(path, encoding="utf-8", xml_declaration=True)
+
+
+def indent_junit(path: Path) -> None:
+    """pytest writes junit.xml on one line; indent it so a diff or a reader can follow it."""
+    _write(ET.parse(path), path)
 
 
 def mark_known(path: Path, reasons: dict[str, str]) -> None:

@@ -48,9 +48,27 @@ def _without_acceptance(action: Action) -> Action:
             if isinstance(action, Submit) and action.accept_lens is not None else action)
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from conformance.plan.specs import SPECS
+
+    parser.add_argument("file", help="a repro file (docs/repro.md), e.g. "
+                        "<report>/repro/<check-id>.json")
+    parser.add_argument("--backend", default=None,
+                        help="as for certify; unset: the backend the file was recorded on, if "
+                             "specgate knows it by name (a module:factory in a file is never "
+                             "imported)")
+    parser.add_argument("--spec", default=None,
+                        help=f"{' | '.join(SPECS)}: replay every run under this spec's first "
+                             "configuration instead of the recorded one")
+    parser.add_argument("--emit-pytest", default=None, metavar="test_NAME.py",
+                        help="write the scenario as a standalone pytest module (run it with "
+                             "pytest --specgate-backend B) instead of replaying it")
+
+
 def cmd_repro(args: argparse.Namespace) -> int:
     from conformance.plan.registry import BackendError, load_backend
-    from conformance.repro.replay import NotApplicable, check_applicable, replay
+    from conformance.repro.replay import replay
+    from conformance.repro.requirements import NotApplicable, check_applicable
 
     try:
         scenario = load(Path(args.file))
@@ -105,7 +123,7 @@ def check_runnable(scenario: Scenario, source: str) -> None:
     """What the file asks of this machine, before any engine opens: every model and draft
     model loads, token ids fit the model's vocabulary, the graph executor exists, the device
     is here. A UsageError (one line) otherwise."""
-    from conformance.run.device import device_problem
+    from conformance.plan.device import device_problem
     from refengine.config import GRAPH_EXECUTORS
     from refengine.data import resolve_model_dir
     from refengine.model.loader import check_draft_dir, check_model_dir, load_config

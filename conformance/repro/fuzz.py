@@ -29,8 +29,9 @@ from conformance.checks.oracle import ReferenceOracle
 from conformance.contract import Backend, Capabilities, OpenConfig, SamplingParams
 from conformance.plan.prompts import PromptCase, long_prompt
 from conformance.plan.requests import context_limit
+from conformance.repro.divergence import Diverged
 from conformance.repro.record import RecordedRuns
-from conformance.repro.replay import ActionRunner, Diverged, step_allowance
+from conformance.repro.replay import ActionRunner, step_allowance
 from conformance.repro.scenario import Abort, CloseSession, OpenSession, Run, Step, Submit
 
 ROOMY_POOL = 4096        # tokens: several long requests at once
@@ -50,15 +51,16 @@ def shrink_budget(seconds: float) -> Iterator[None]:
     without it keeps its own). The example kept is the smallest found by then."""
     from hypothesis.internal.conjecture import engine
 
-    before = getattr(engine, "MAX_SHRINKING_SECONDS", None)
+    namespace = vars(engine)  # the module's globals, which the engine reads the limit from
+    before = namespace.get("MAX_SHRINKING_SECONDS")
     if before is None:
         yield
         return
-    engine.MAX_SHRINKING_SECONDS = seconds  # type: ignore[attr-defined]
+    namespace["MAX_SHRINKING_SECONDS"] = seconds
     try:
         yield
     finally:
-        engine.MAX_SHRINKING_SECONDS = before  # type: ignore[attr-defined]
+        namespace["MAX_SHRINKING_SECONDS"] = before
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypedDict
 
 from conformance.contract import Backend
 from conformance.report.report_dir import REPRO_DIR
@@ -30,6 +31,16 @@ from specwire.untrusted import contained
 
 MAX_NAME = 120
 TIMED_OUT = "the check timed out, and so may a replay"
+
+
+class ReproProperties(TypedDict, total=False):
+    """What a failing check's results row gets from its scenario (none of it when the check
+    drove no requests): the file, whether a replay reproduced the failure (None: unknown),
+    and why it was not replayed."""
+
+    specgate_repro: str
+    specgate_repro_reproduces: bool | None
+    specgate_repro_not_replayed: str
 
 
 def check_file_name(nodeid: str) -> str:
@@ -74,22 +85,25 @@ class RecordedRuns:
 
 def write_repro(runs: RecordedRuns, report_dir: Path, check: str, failure: str,
                 backend_name: str, backend: Backend, replay_it: bool = True
-                ) -> dict[str, object]:
+                ) -> ReproProperties:
     """Write the failing check's scenario; -> the properties its results row gets ({} when it
     drove no requests through the adapter). ``replay_it`` False (the check timed out: a replay
     could hang as long) or a replay refused as not applicable: reproduction is left unknown
     (None), with the reason."""
-    from conformance.repro.replay import NotApplicable, replay
+    from conformance.repro.replay import replay
+    from conformance.repro.requirements import NotApplicable
 
     scenario = runs.scenario(check, failure, backend_name)
     if scenario is None:
         return {}
     relative = f"{REPRO_DIR}/{check_file_name(check)}"
     save(scenario, contained(report_dir, REPRO_DIR, check_file_name(check)))
-    found: dict[str, object] = {"specgate_repro": relative, "specgate_repro_reproduces": None}
+    found = ReproProperties(specgate_repro=relative, specgate_repro_reproduces=None)
     if not replay_it:
-        return {**found, "specgate_repro_not_replayed": TIMED_OUT}
+        found["specgate_repro_not_replayed"] = TIMED_OUT
+        return found
     try:
-        return {**found, "specgate_repro_reproduces": replay(scenario, backend) is not None}
+        found["specgate_repro_reproduces"] = replay(scenario, backend) is not None
     except NotApplicable as err:
-        return {**found, "specgate_repro_not_replayed": str(err)}
+        found["specgate_repro_not_replayed"] = str(err)
+    return found

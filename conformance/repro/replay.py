@@ -27,14 +27,15 @@ from conformance.contract import (
     Backend,
     Capabilities,
     FinishEvent,
-    MemoryView,
     SamplingParams,
     TokenEvent,
     effective_page_size,
 )
 from conformance.plan.profiles import PROFILES
 from conformance.plan.requests import context_limit
+from conformance.repro.divergence import Diverged, Divergence, raised_text, show_memory
 from conformance.repro.driver import Driver, backend_call, step_budget
+from conformance.repro.requirements import check_applicable
 from conformance.repro.scenario import (
     Abort,
     Action,
@@ -48,75 +49,6 @@ from conformance.repro.scenario import (
 )
 
 WAIT_STEPS = 10_000  # how long an action may wait for what it needs to finish
-
-
-class NotApplicable(ValueError):
-    """The backend does not claim what the scenario needs; one line naming it."""
-
-
-@dataclass(frozen=True)
-class Divergence:
-    """Where a replay first went wrong, as one block of text (``describe``)."""
-
-    run: int
-    action_index: int       # into the run's actions; -1: opening the backend;
-    #                         len(actions): the steps that run it to completion
-    action: str
-    step: int               # the step it went wrong in (or the last one before the action)
-    rid: str | None
-    expected: str
-    came: str
-    memory_before: str | None = None
-    memory_after: str | None = None
-
-    def describe(self) -> str:
-        where = ("opening the backend" if self.action_index < 0 else
-                 f"actions[{self.action_index}] ({self.action})")
-        lines = [f"first divergence: run {self.run}, {where}, step {self.step}"
-                 + (f", request {self.rid!r}" if self.rid else ""),
-                 f"  expected: {self.expected}", f"  came:     {self.came}"]
-        if self.memory_before is not None or self.memory_after is not None:
-            lines += [f"  memory before: {self.memory_before or '(not read)'}",
-                      f"  memory after:  {self.memory_after or '(not read)'}"]
-        return "\n".join(lines)
-
-
-class Diverged(AssertionError):
-    """Raised by ``ActionRunner``; the message is the divergence block."""
-
-    def __init__(self, divergence: Divergence) -> None:
-        super().__init__(divergence.describe())
-        self.divergence = divergence
-
-
-def show_memory(view: MemoryView) -> str:
-    rows = ", ".join(f"{rid}: {kv.committed}/{kv.allocated} {kv.phase}"
-                     for rid, kv in sorted(view.requests.items()))
-    return (f"capacity {view.capacity}, free {view.free}, held {view.held}, page "
-            f"{view.page_size}; rows {view.rows_capacity - view.rows_free - view.rows_held}"
-            f"/{view.rows_capacity} in use; requests (committed/allocated): {rows or 'none'}")
-
-
-def requirements(run: Run) -> list[str]:
-    """The capabilities a run needs of a backend (as ``Capabilities.claims`` names them)."""
-    spec = run.config.spec
-    needs = [f"algorithm:{spec.algorithm if spec else 'none'}"]
-    if spec is not None and spec.topk > 1:
-        needs.append("tree")
-    if spec is not None and spec.overlap:
-        needs.append("overlap")
-    if run.config.retract_every:
-        needs.append("forced_retract")
-    if run.config.graph_executor:
-        needs.append("graph_runner")
-    ops = {type(a) for a in run.actions}
-    if Abort in ops:
-        needs.append("abort")
-    if ops & {OpenSession, CloseSession}:
-        needs.append("sessions")
-    if any(isinstance(a, Submit) and a.accept_lens is not None for a in run.actions):
-        needs += ["reference_draft", "acceptance_stats"]
-    return needs
 
 
 @dataclass
@@ -161,7 +93,7 @@ class ActionRunner:
         except Exception as err:
             raise Diverged(Divergence(number, -1, "open the backend", 0, None,
                                       "the backend opens with the run's config",
-                                      _raised(err))) from err
+                                      raised_text(err))) from err
         spec = config.spec
         driver = Driver(handle, caps, overlap=spec is not None and spec.overlap, config=config)
         # judged as the gate judges: a failure the gate calls real replays as real
@@ -175,7 +107,7 @@ class ActionRunner:
         except Exception as err:
             raise Diverged(Divergence(self.run, self.index, "close the backend",
                                       self.driver.steps, None, "the handle closes",
-                                      _raised(err))) from err
+                                      raised_text(err))) from err
 
     def _memory(self) -> str | None:
         if not self.driver.caps.memory_view:
@@ -183,7 +115,7 @@ class ActionRunner:
         try:
             return show_memory(self.driver.handle.memory())
         except Exception as err:  # the block still shows what the failing call was
-            return f"(memory() raised {_raised(err)})"
+            return f"(memory() raised {raised_text(err)})"
 
     def apply(self, action: Action, label: str = "", index: int | None = None) -> None:
         """``label``: how a divergence names the action (default: the action itself);
@@ -205,7 +137,7 @@ class ActionRunner:
         except Diverged:
             raise
         except Exception as err:  # a case timeout (a BaseException) fails the check as such
-            came = str(err) if isinstance(err, InvariantError) else _raised(err)
+            came = str(err) if isinstance(err, InvariantError) else raised_text(err)
             expected = ("the suite's invariants hold" if isinstance(err, InvariantError)
                         else "the call returns")
             self._diverge(getattr(action, "rid", None), expected, came, err)
@@ -352,23 +284,10 @@ class ActionRunner:
                                   expected, came, self._before, self._memory())) from cause
 
 
-def _raised(err: BaseException) -> str:
-    notes = "; ".join(getattr(err, "__notes__", []))
-    return f"{type(err).__name__}: {err}" + (f" ({notes})" if notes else "")
-
-
 def step_allowance(run: Run) -> int:
     """A generous bound on the steps a run's drain may take (the driver's own budget)."""
     return step_budget([(list(a.prompt_ids), a.params) for a in run.actions
                         if isinstance(a, Submit)])
-
-
-def check_applicable(scenario: Scenario, backend_name: str, caps: Capabilities) -> None:
-    for run in scenario.runs:
-        missing = [n for n in requirements(run) if not caps.claims(n)]
-        if missing:
-            raise NotApplicable(f"backend {backend_name!r} does not claim "
-                                f"{', '.join(missing)}, which the scenario needs")
 
 
 def replay(scenario: Scenario, backend: Backend, oracle: ReferenceOracle | None = None

@@ -7,21 +7,28 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    from refengine.graph.aot_index import CacheInfo
 
-from refengine.graph.aot import sources_digest
-from refengine.graph.aot_store import (
-    BUDGET_ENV,
-    CACHE_ENV,
-    CacheConfigError,
-    CacheInfo,
-    PackageCache,
-    gigabytes,
-)
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["info", "prune", "clear"],
+                        help="info: where they are, each one's size, the total against the "
+                        "budget ($SPECGATE_CACHE_MAX_GB), leftovers of killed builds and "
+                        "loading markers; prune: delete what this code and torch can never "
+                        "load; clear: delete everything")
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
+    """Imports torch and the engine's package cache, as only this command needs them."""
+    import torch
+
+    from refengine.graph.aot import sources_digest
+    from refengine.graph.aot_format import CacheConfigError, gigabytes
+    from refengine.graph.aot_store import PackageCache
+
     try:
         cache = PackageCache()
     except CacheConfigError as err:
@@ -46,6 +53,8 @@ def _mib(n: int) -> str:
 
 
 def print_info(info: CacheInfo) -> None:
+    from refengine.graph.aot_format import BUDGET_ENV, CACHE_ENV, gigabytes
+
     code = sum(e.size for e in info.packages)
     free = f", {gigabytes(info.free)} free on its disk" if info.free is not None else ""
     print(f"{info.root} (${CACHE_ENV} moves it): {len(info.packages)} package(s), "

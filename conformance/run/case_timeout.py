@@ -22,19 +22,20 @@ from types import FrameType
 
 import pytest
 
+from conformance.plan.profiles import PROFILES
 from conformance.plan.usage import CaseTimeout
 from conformance.run.native_watchdog import NativeWatchdog
 
-# Seconds per phase by profile: far above the slowest gate check on a busy machine
-# (docs/measurements.md), so load does not trip the limit; compiled graphs compile their shapes
-# inside the first checks that meet them.
-DEFAULT_SECONDS = {"gate": 300.0, "full": 1200.0}
-COMPILED_FACTOR = 4
+DEFAULT_SECONDS = {name: p.case_timeout for name, p in PROFILES.items()}  # seconds per phase
 
 
 def default_seconds(profile: str, graph_executor: str | None) -> float:
-    factor = COMPILED_FACTOR if graph_executor in ("compiled", "frozen", "aot") else 1
-    return DEFAULT_SECONDS[profile] * factor
+    """The profile's seconds times the executor's timeout factor (the executor registry's:
+    executors that compile do it inside the first checks that meet each shape)."""
+    from refengine.graph.executors import EXECUTORS
+
+    info = EXECUTORS.get(graph_executor or "")
+    return DEFAULT_SECONDS[profile] * (1 if info is None else info.timeout_factor)
 
 
 def repeat_interval(seconds: float) -> float:

@@ -1,10 +1,10 @@
-"""The suite context every check receives (the ``sg`` fixture): the backend under test, its
-claims, the spec, the profile, the oracle; built once per pytest process from the
-``--specgate-*`` options and checked before any check runs."""
+"""The suite context every check receives (the ``sg`` fixture): the run plan, the backend under
+test and its claims, the spec, the profile, the oracle; built once per pytest process from the
+session's plan (``conformance.run.options.plan_of``), which was validated where it was built:
+nothing here checks it again."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -14,39 +14,63 @@ from conformance.contract import Backend, Capabilities, OpenConfig, SpecConfig
 from conformance.plan.profiles import PROFILES, Profile
 from conformance.plan.prompts import PromptCase, load_prompt_set
 from conformance.plan.registry import BackendError, load_backend
-from conformance.plan.specs import SpecChoice, resolve_specs
+from conformance.plan.run_plan import RunPlan
+from conformance.plan.specs import SpecChoice
 from conformance.repro.record import RecordedRuns
 from conformance.run.case_timeout import default_seconds
-from conformance.run.device import device_problem
-
-DEFAULT_BACKEND = "refengine"
+from conformance.run.options import plan_of
 
 
 @dataclass
 class SuiteContext:
-    """What every check needs: the backend, its claims, the spec, the profile and the oracle."""
+    """What every check needs: the plan, the backend, its claims, the spec (``--spec``'s choice,
+    drafting with the plan's draft model), the profile and the oracle."""
 
-    backend_name: str
+    plan: RunPlan
     backend: Backend
     caps: Capabilities
     spec: SpecChoice
     profile: Profile
-    model: str = "tiny-code"
-    graph_executor: str | None = None  # --specgate-graphs
-    device: str = "cpu"  # --specgate-device
     _oracle: ReferenceOracle | None = field(default=None, repr=False)
     _check: pytest.Item | None = field(default=None, repr=False)  # the suite check running now
     recorded: RecordedRuns = field(default_factory=RecordedRuns)  # its drivers, for a repro
 
     @property
+    def backend_name(self) -> str:
+        """The backend as the run named it (entry point, module:factory, mutant:NAME)."""
+        return self.plan.backend
+
+    @property
+    def model(self) -> str:
+        return self.plan.model
+
+    @property
+    def draft_model(self) -> str | None:
+        return self.plan.draft_model
+
+    @property
+    def graph_executor(self) -> str | None:
+        return self.plan.graph_executor
+
+    @property
+    def device(self) -> str:
+        return self.plan.device
+
+    def with_executor(self, graph_executor: str) -> SuiteContext:
+        """This context opening the backend through its graph runner with ``graph_executor``
+        (a check that runs graphed in a run without ``--graphs``)."""
+        return replace(self, plan=replace(self.plan, graph_executor=graph_executor))
+
+    @property
     def prompts(self) -> tuple[PromptCase, ...]:
         return load_prompt_set(self.profile.prompt_set, self.model)
 
-    def open_config(self, spec: SpecConfig | None, **limits: int) -> OpenConfig:
-        """What every check opens the backend with: the model, ``spec``, the run's graph
+    def open_config(self, spec_config: SpecConfig | None, **limits: int) -> OpenConfig:
+        """What every check opens the backend with: the model, ``spec_config``, the run's graph
         executor and device, and the check's own limits."""
-        return replace(OpenConfig(model=self.model, spec=spec, graph_executor=self.graph_executor,
-                                  device=self.device), **limits)
+        return replace(OpenConfig(model=self.model, spec=spec_config,
+                                  graph_executor=self.graph_executor, device=self.device),
+                       **limits)
 
     @property
     def oracle(self) -> ReferenceOracle:
@@ -67,43 +91,27 @@ class SuiteContext:
         props.append((name, list(entries)))
 
 
-def _backend_name(config: pytest.Config) -> str:
-    return (config.getoption("--specgate-backend") or os.environ.get("SPECGATE_BACKEND")
-            or DEFAULT_BACKEND)
-
-
 def case_timeout(config: pytest.Config) -> float:
-    chosen = config.getoption("--specgate-case-timeout")
-    if chosen is not None:
-        return float(chosen)
-    return default_seconds(config.getoption("--specgate-profile"),
-                           config.getoption("--specgate-graphs"))
+    """Seconds each phase of a suite check may take: the plan's, else the profile's default for
+    its executor."""
+    plan = plan_of(config)
+    if plan.case_timeout is not None:
+        return plan.case_timeout
+    return default_seconds(plan.profile, plan.graph_executor)
+
+
+_CONTEXT = pytest.StashKey[SuiteContext]()
 
 
 def context(config: pytest.Config) -> SuiteContext:
-    ctx = getattr(config, "_specgate_ctx", None)
+    """The session's suite context, built once per process from its plan."""
+    ctx = config.stash.get(_CONTEXT, None)
     if ctx is None:
-        name = _backend_name(config)
-        try:
-            backend = load_backend(name)
-            spec = resolve_specs(config.getoption("--specgate-spec"))[0]
-            draft = config.getoption("--specgate-draft-model")
-            if draft:
-                spec = spec.with_draft_model(draft)
-        except (BackendError, ValueError) as err:
+        plan = plan_of(config)
+        try:  # loaded once more in this process (an xdist worker) from the checked plan
+            backend = load_backend(plan.backend)
+        except BackendError as err:
             raise pytest.UsageError(str(err)) from None
-        caps = backend.capabilities()
-        graphs = config.getoption("--specgate-graphs")
-        if graphs and not caps.graph_runner:
-            raise pytest.UsageError(f"--graphs: backend {name!r} does not claim graph_runner")
-        device = config.getoption("--specgate-device")
-        problem = device_problem(device, graphs)
-        if problem:
-            raise pytest.UsageError(problem)
-        ctx = SuiteContext(name, backend, caps, spec,
-                           PROFILES[config.getoption("--specgate-profile")],
-                           config.getoption("--specgate-model"), graphs, device)
-        config._specgate_ctx = ctx  # type: ignore[attr-defined]
+        ctx = config.stash[_CONTEXT] = SuiteContext(plan, backend, backend.capabilities(),
+                                                    plan.spec, PROFILES[plan.profile])
     return ctx
-
-

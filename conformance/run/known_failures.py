@@ -25,12 +25,12 @@ when it matches no check in the whole run).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, replace
 from datetime import date
 from pathlib import Path
 
 from conformance.plan.specs import SPECS
-from conformance.report.failures import replay_fields
+from conformance.report.results import CheckRow, KnownItem, KnownReport, Replay, RunResults
 from conformance.report.verdict import KNOWN_FAILURE
 from conformance.run.suite_checks import suite_checks, unknown_check
 from specwire.untrusted import MiB, load_toml
@@ -56,20 +56,6 @@ class KnownFailure:
     def covers(self, spec: str) -> bool:
         """Whether the entry applies in ``spec``'s certificate."""
         return self.spec is None or spec in self.specs
-
-
-@dataclass
-class KnownReport:
-    """What the entries did in one certificate; each item: check, reason, expires, outcome,
-    and a known failure's message and replays (``_what_failed``)."""
-
-    file: str
-    strict: bool
-    known: list[dict[str, object]] = field(default_factory=list)    # failed, excused
-    stale: list[dict[str, object]] = field(default_factory=list)    # passed now
-    expired: list[dict[str, object]] = field(default_factory=list)  # excuses nothing any more
-    not_run: list[dict[str, object]] = field(default_factory=list)  # skipped or not claimed
-    unknown: list[dict[str, object]] = field(default_factory=list)  # no such check here
 
 
 def _entry(check: str, value: object, where: str, base: Path) -> KnownFailure:
@@ -139,40 +125,38 @@ def load_known(path: Path, suites: Path | None = None) -> list[KnownFailure]:
     return entries
 
 
-def _what_failed(row: dict[str, object], entry: KnownFailure) -> dict[str, object]:
-    """A known failure's message and what replays it: the repro file the run wrote (``repro``,
-    under the certificate directory, and whether it reproduced, as a failure's) and the one the
-    entry names (``listed_repro``)."""
-    return {"message": str(row.get("message", "")), **replay_fields(row),
-            **({"listed_repro": entry.repro} if entry.repro else {})}
+def _item(entry: KnownFailure, outcome: str | None) -> KnownItem:
+    return KnownItem(entry.check, entry.reason, outcome,
+                     entry.expires.isoformat() if entry.expires else None)
 
 
-def apply_known(results: dict[str, object], entries: list[KnownFailure], file: str,
-                strict: bool, today: date) -> dict[str, object]:
+def _kind(entry: KnownFailure, outcome: str, today: date) -> str:
+    """Which list of the report an entry whose check ended with ``outcome`` goes to."""
+    if entry.expires is not None and entry.expires < today:
+        return "expired"
+    return {"failed": "known", "passed": "stale"}.get(outcome, "not_run")
+
+
+def apply_known(results: RunResults, entries: list[KnownFailure], file: str, strict: bool,
+                today: date) -> RunResults:
     """``results`` with listed failures turned into known failures, and a ``known_failures``
-    record of what every entry for this spec did."""
-    spec = results["spec"]
-    mine = {e.check: e for e in entries if e.covers(str(spec))}
-    report = KnownReport(file, strict)
-    checks = []
-    for row in results["checks"]:  # type: ignore[attr-defined]
-        entry = mine.pop(str(row["nodeid"]), None)
-        if entry is None:
-            checks.append(row)
-            continue
-        item = {"check": entry.check, "reason": entry.reason, "outcome": row["outcome"],
-                "expires": entry.expires.isoformat() if entry.expires else None}
-        if entry.expires is not None and entry.expires < today:
-            report.expired.append(item)
-        elif row["outcome"] == "failed":
-            row = {**row, "outcome": KNOWN_FAILURE, "known_reason": entry.reason}
-            report.known.append({**item, **_what_failed(row, entry)})
-        elif row["outcome"] == "passed":
-            report.stale.append(item)
-        else:
-            report.not_run.append(item)
+    record of what every entry for this spec did: a known failure with its message and what
+    replays it (the repro file the run wrote, under the certificate directory, and whether it
+    reproduced, as a failure's; the one the entry names, ``listed_repro``)."""
+    mine = {e.check: e for e in entries if e.covers(results.spec)}
+    kinds: dict[str, list[KnownItem]] = {k: [] for k in ("known", "stale", "expired", "not_run")}
+    checks: list[CheckRow] = []
+    for row in results.checks:
+        entry = mine.pop(row.nodeid, None)
+        if entry is not None:
+            kind, item = _kind(entry, row.outcome, today), _item(entry, row.outcome)
+            if kind == "known":
+                row = replace(row, outcome=KNOWN_FAILURE, known_reason=entry.reason)
+                item = replace(item, message=row.message, replay=Replay.of(row),
+                               listed_repro=entry.repro)
+            kinds[kind].append(item)
         checks.append(row)
-    report.unknown = [{"check": e.check, "reason": e.reason, "outcome": None,
-                       "expires": e.expires.isoformat() if e.expires else None}
-                      for e in mine.values()]
-    return {**results, "checks": checks, "known_failures": asdict(report)}
+    report = KnownReport(file, strict, known=tuple(kinds["known"]), stale=tuple(kinds["stale"]),
+                         expired=tuple(kinds["expired"]), not_run=tuple(kinds["not_run"]),
+                         unknown=tuple(_item(e, None) for e in mine.values()))
+    return replace(results, checks=tuple(checks), known_failures=report)

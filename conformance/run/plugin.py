@@ -1,155 +1,72 @@
-"""The specgate pytest plugin (entry point ``pytest11: specgate``).
+"""The specgate pytest plugin (entry point ``pytest11: specgate``), loaded into every pytest
+session of an environment where specgate is installed, so it imports no torch and no engine.
 
-It adds the ``--specgate-*`` options, resolves the backend under test, gates every suite check
-on the capabilities the backend declares (an undeclared one is reported as "not claimed", never
-as passed), refuses vacuous runs (zero checks, or every check skipped), prints a header naming
-backend, version and capabilities, and writes a machine-readable results file for
-``specgate certify``. Works under pytest-xdist: per-check data travels in ``user_properties``
-and only the controller writes results.
-
-A check that raises or hangs fails alone: every phase of a check has a timeout
-(``conformance.run.case_timeout``), and a worker stuck in native code is ended by the native
-watchdog (``conformance.run.native_watchdog``); xdist reports that check as crashed, and its row
-says why. The results also say what was certified: each configuration's parameters and the
-precision the backend declares (``conformance.report.certified``).
+It adds the ``--specgate-*`` options and the suite's markers (``conformance.run.options``), and
+the ``sg`` and ``specgate_backend`` fixtures. The hooks that run the suite
+(``conformance.run.suite_hooks``, which import torch and the engine) are registered only in a
+session that runs the suite: one given a plan, a backend ($SPECGATE_BACKEND too) or a results
+file, one naming the suite's modules, or one that collects a suite check. A repro module's
+``specgate_backend`` fixture loads its backend itself, when a test uses it.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
-from conformance.contract import Backend, SpecConfig, unclaimed_under
-from conformance.plan.registry import BackendError, load_backend
-from conformance.plan.specs import SpecChoice, config_id
-from conformance.report.progress import backend_progress, tier_of
-from conformance.report.verdict import SELF_CHECK_MARK
-from conformance.repro.record import write_repro
-from conformance.run.case_timeout import CaseDeadline, CaseTimeout
-from conformance.run.collector import NOT_CLAIMED, ResultCollector
-from conformance.run.context import SuiteContext, case_timeout, context
-from conformance.run.interrupt_redelivery import keep_interrupts
-from conformance.run.native_watchdog import WORKER_INPUT_KEY, NativeWatchdog, dump_path
-from conformance.run.options import add_suite_options
-from conformance.run.quick_exit import WorkerInterruptExit
+from conformance.run.options import add_suite_markers, add_suite_options, asks_for_suite
 
-LONG_TIER = "fuzz"
+if TYPE_CHECKING:
+    from conformance.contract import Backend
+    from conformance.run.context import SuiteContext
+
+SUITE_HOOKS = "specgate-suite"  # the name the suite's hooks are registered under
+SUITE_HOOKS_MODULE = "conformance.run.suite_hooks"
+SUITE_DIR = Path(__file__).resolve().parent.parent / "suites"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     add_suite_options(parser)
 
 
+def _runs_suite_modules(config: pytest.Config) -> bool:
+    """Whether the session's arguments name the suite (``conformance/suites`` or a module in it,
+    by path or with ``--pyargs``)."""
+    for arg in config.args:
+        where = arg.split("::")[0]
+        path = Path(where).resolve()
+        if where.startswith("conformance.suites") or SUITE_DIR in (path, *path.parents):
+            return True
+    return False
+
+
+def activate(config: pytest.Config) -> None:
+    """Register the hooks that run the suite, once per session."""
+    if not config.pluginmanager.has_plugin(SUITE_HOOKS):
+        # by its module name: the module the suite's checks import, also where a session
+        # before this one in the process (pytester) dropped its modules from sys.modules
+        config.pluginmanager.register(importlib.import_module(SUITE_HOOKS_MODULE), SUITE_HOOKS)
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "specgate_tier(name): the suite tier a check belongs to")
-    config.addinivalue_line("markers", "specgate_requires(*capabilities): capabilities the "
-                            "backend must claim (flags, or 'algorithm:<name>')")
-    config.addinivalue_line("markers", "slow: long-running check")
-    config.addinivalue_line("markers", f"{SELF_CHECK_MARK}: a check of the suite itself (its "
-                            "power, its derivations) that exercises no part of the backend: "
-                            "reported apart, never counted as the backend's pass")
-    seconds = case_timeout(config)
-    workerinput = getattr(config, "workerinput", None)
-    if workerinput is not None:  # xdist workers forward their reports instead
-        config.pluginmanager.register(WorkerInterruptExit(), "specgate-worker-exit")
-        watchdog_dir = workerinput.get(WORKER_INPUT_KEY)
-        watchdog = (NativeWatchdog(dump_path(Path(watchdog_dir), workerinput["workerid"]))
-                    if watchdog_dir and seconds > 0 else None)
-        config.pluginmanager.register(CaseDeadline(seconds, watchdog), "specgate-timeout")
-    else:
-        config.pluginmanager.register(ResultCollector(config), "specgate-results")
-        # in-process runs: no native watchdog, which would end the whole run
-        config.pluginmanager.register(CaseDeadline(seconds), "specgate-timeout")
+    add_suite_markers(config)
+    if asks_for_suite(config) or _runs_suite_modules(config):
+        activate(config)
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
-    # after every plugin's pytest_configure: pytest's own unraisable-exception hook is in place
-    # by now, and keep_interrupts passes everything but a swallowed Ctrl-C on to it
-    keep_interrupts()
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """A suite check collected where nothing asked for the suite before: its hooks are
+    registered now, after ``pytest_sessionstart``."""
+    if (item.get_closest_marker("specgate_tier")
+            and not item.config.pluginmanager.has_plugin(SUITE_HOOKS)):
+        activate(item.config)
+        from conformance.run.interrupt_redelivery import keep_interrupts
 
-
-def pytest_report_header(config: pytest.Config) -> list[str] | None:
-    if not (config.getoption("--specgate-backend") or os.environ.get("SPECGATE_BACKEND")
-            or config.getoption("--specgate-results")):
-        return None
-    ctx = context(config)
-    claimed = ", ".join(f"{k}={v}" for k, v in ctx.caps.as_dict().items())
-    return [f"specgate: backend {ctx.backend_name} ({ctx.backend.name} {ctx.backend.version}); "
-            f"spec {ctx.spec.name}; profile {ctx.profile.name}; graphs "
-            f"{ctx.graph_executor or 'off'}; device {ctx.device}",
-            f"specgate: capabilities: {claimed}"]
-
-
-def _requirements(item: pytest.Item, spec: SpecChoice) -> list[str]:
-    needs = ([f"algorithm:{spec.algorithm}"] + (["tree"] if spec.needs_tree else [])
-             + (["overlap"] if spec.needs_overlap else []))
-    for mark in item.iter_markers("specgate_requires"):
-        needs.extend(mark.args)
-    return needs
-
-
-def _unclaimed_here(ctx: SuiteContext, item: pytest.Item, needs: list[str]) -> str:
-    """What the check needs that the backend claims, but not under the item's configuration
-    (``unclaimed_under``), said as ``flag under <config> (reason)``; "" if nothing."""
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    spec = params.get("spec_config")
-    if not isinstance(spec, SpecConfig):
-        return ""
-    try:
-        reasons = unclaimed_under(ctx.backend, spec)
-    except ValueError as err:
-        raise pytest.UsageError(f"backend {ctx.backend_name!r}: {err}") from None
-    return "; ".join(f"{flag} under {config_id(spec)} ({reasons[flag]})"
-                     for flag in dict.fromkeys(needs) if flag in reasons)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.get_closest_marker("specgate_tier"):
-        ctx = context(item.config)
-        ctx._check = item
-        ctx.recorded.clear()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
-    """Each suite check's row says how many intra-op threads torch ran it with (set by the
-    ``sg`` fixture, in whichever process ran it): the certificate reports those, not the
-    controller's."""
-    if item.get_closest_marker("specgate_tier"):
-        item.user_properties.append(("specgate_threads", torch.get_num_threads()))
-    yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
-    """A suite check that failed leaves its scenario (``conformance.repro.record``); the
-    report's properties say where, so the row in the results (on the xdist controller too)
-    can show the command that replays it. A check's last report also carries the backend's
-    progress lines (``backend_progress``), which capture would otherwise swallow."""
-    outcome = yield
-    report: pytest.TestReport = outcome.get_result()
-    if report.when == "teardown" and item.get_closest_marker("specgate_tier"):
-        # what the backend said of its own work, from every phase's captured stderr
-        progress = backend_progress(report.capstderr)
-        if progress:
-            report.user_properties.append(("specgate_progress", progress))
-    where = item.config.getoption("--specgate-repro-dir")
-    if (not report.failed or report.when == "teardown" or where is None
-            or not item.get_closest_marker("specgate_tier")):
-        return
-    if call.excinfo is not None and call.excinfo.errisinstance(KeyboardInterrupt):
-        return  # the run is stopping: no file, no replay
-    ctx = context(item.config)
-    crash = getattr(report.longrepr, "reprcrash", None)
-    failure = crash.message if crash is not None else str(report.longrepr)[-800:]
-    timed_out = call.excinfo is not None and call.excinfo.errisinstance(CaseTimeout)
-    report.user_properties.extend(write_repro(
-        ctx.recorded, Path(where), report.nodeid, failure[:2000], ctx.backend_name,
-        ctx.backend, replay_it=not timed_out).items())
+        keep_interrupts()
 
 
 @pytest.fixture
@@ -158,6 +75,8 @@ def specgate_backend(request: pytest.FixtureRequest) -> Backend:
     module (``specgate repro --emit-pytest``) replays its scenario on. There is no default: a
     repro run on the reference engine by accident passes while the bug it holds is present,
     so without a name the test fails, saying which backend recorded it."""
+    from conformance.plan.registry import BackendError, load_backend
+
     name = request.config.getoption("--specgate-backend") or os.environ.get("SPECGATE_BACKEND")
     if not name:
         recorded = getattr(request.module, "RECORDED_ON", None)
@@ -173,31 +92,6 @@ def specgate_backend(request: pytest.FixtureRequest) -> Backend:
     return backend
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    suite_items = [i for i in items if i.get_closest_marker("specgate_tier")]
-    if not suite_items:
-        return
-    ctx = context(config)
-    for item in suite_items:
-        tier = item.get_closest_marker("specgate_tier").args[0]
-        needs = _requirements(item, ctx.spec)
-        missing = list(dict.fromkeys(n for n in needs if not ctx.caps.claims(n)))
-        item.user_properties.append(("specgate_tier", tier))
-        item.user_properties.append(("specgate_requires", ",".join(needs)))
-        if item.get_closest_marker(SELF_CHECK_MARK):
-            item.user_properties.append(("specgate_self_check", True))
-        if missing:
-            item.add_marker(pytest.mark.skip(reason=f"{NOT_CLAIMED}: {', '.join(missing)}"))
-        elif (excepted := _unclaimed_here(ctx, item, needs)):
-            item.add_marker(pytest.mark.skip(reason=f"{NOT_CLAIMED}: {excepted}"))
-    # The fuzz tier is one long check. In-process it goes last: it shrinks what it finds, the
-    # longest way to fail, and a run stopping at its first failure (``specgate mutants``) then
-    # fails by a hand-written check where one catches the bug. Under xdist it goes first, so
-    # one worker runs it while the others take the rest, instead of it running alone at the end.
-    in_worker = getattr(config, "workerinput", None) is not None
-    items.sort(key=lambda i: (tier_of(i.nodeid) == LONG_TIER) != in_worker)
-
-
 @pytest.fixture(scope="session")
 def sg(request: pytest.FixtureRequest) -> SuiteContext:
     """The suite context: backend under test, its capabilities, spec, profile, oracle.
@@ -205,7 +99,9 @@ def sg(request: pytest.FixtureRequest) -> SuiteContext:
     The suite's tiny models are bound by per-op overhead, and torch's intra-op threads stall
     badly when pytest-xdist workers share the cores: each suite process uses one thread.
     """
+    import torch
+
+    from conformance.run.context import context
+
     torch.set_num_threads(1)
     return context(request.config)
-
-

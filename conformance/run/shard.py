@@ -62,7 +62,9 @@ def load_durations(path: Path) -> dict[str, dict[str, float]]:
     except UntrustedFileError as err:
         raise ValueError(f"{err}: not a durations table") from None
     try:
-        checks = table["durations"]  # type: ignore[index]
+        if not isinstance(table, dict):
+            raise TypeError(f"a JSON {type(table).__name__}, not an object")
+        checks = table["durations"]
         found = {str(spec): {str(n): float(s) for n, s in rows.items()}
                  for spec, rows in checks.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as err:
@@ -114,7 +116,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         table = load_durations(Path(config.getoption("--specgate-durations")))
     except ValueError as err:
         raise pytest.UsageError(f"--specgate-shard: {err}") from None
-    spec = str(config.getoption("--specgate-spec", default="none"))
+    from conformance.run.options import plan_of
+
+    spec = plan_of(config).specs[0]  # from the session's plan, or the options that make one
     ids = [item.nodeid for item in items]
     gated = frozenset(i.nodeid for i in items if i.get_closest_marker("skip"))
     placed = assign(ids, weights(ids, spec, table), shard.count, gated)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,32 +24,26 @@ from pathlib import Path
 
 import pytest
 
+from conformance.plan.run_plan import RunPlan
+from conformance.report.results import RunResults
+from conformance.report.results_json import read_results
+
 
 @dataclass(frozen=True)
 class SuiteOptions:
-    backend: str
-    spec: str
-    profile: str
-    model: str
-    draft_model: str | None = None
-    graphs: str | None = None         # the backend's graph executor (None: eager)
-    device: str = "cpu"               # where the backend runs (cpu, cuda, cuda:N)
-    workers: int = 0                  # pytest-xdist workers; 0 runs in-process (where no
-    #                                   native watchdog can end a check stuck in native code)
+    """One suite run: its plan (one spec, validated where it was built) and what only this
+    process's session needs."""
+
+    plan: RunPlan
     stop_at_first_failure: bool = False
-    case_timeout: float | None = None  # seconds per phase of a check (None: the profile's)
-    only: tuple[str, ...] = ()         # node ids to run alone (``conformance.run.only``)
-    keyword: str | None = None         # pytest's -k expression
-    shard: str | None = None           # "I/N" (``conformance.run.shard``)
-    durations: str | None = None       # the table the shards are balanced by (None: bundled)
     repro_dir: str | None = None       # the certificate directory: a failing check writes
-    #                                   its repro file into its repro/
+    #                                    its repro file into its repro/
 
 
 @dataclass
 class SuiteRun:
     exit_code: int
-    results: dict[str, object] | None   # the plugin's results file, if pytest got that far
+    results: RunResults | None   # the plugin's results file, if pytest got that far
     interrupted: bool                   # a real Ctrl-C (SIGINT), not a collection error
     problems: list[str] = field(default_factory=list)  # why pytest could not run the suite
 
@@ -86,41 +79,37 @@ SUITE_PLUGINS = ("conformance.run.plugin", "conformance.run.only", "conformance.
 
 
 def suite_args(opts: SuiteOptions, results: Path, junit: Path | None) -> list[str]:
+    """pytest's arguments for the run; its plan is written beside ``results``
+    (``<results>.plan.json``) and handed over whole as ``--specgate-plan``."""
     from conformance.run.only import only_modules
 
-    where = only_modules(list(opts.only), suite_dir()) if opts.only else [str(suite_dir())]
+    plan = opts.plan
+    plan_file = results.with_suffix(".plan.json")
+    plan.save(plan_file)
+    where = only_modules(list(plan.only), suite_dir()) if plan.only else [str(suite_dir())]
     args = [*where, "-c", os.devnull, "--rootdir", str(suite_dir()),
             *(arg for plugin in SUITE_PLUGINS for arg in ("-p", plugin)),
             "-p", "no:cacheprovider", "-p", "no:terminal",
-            "--specgate-backend", opts.backend, "--specgate-spec", opts.spec,
-            "--specgate-profile", opts.profile, "--specgate-model", opts.model,
-            "--specgate-results", str(results),
+            "--specgate-plan", str(plan_file), "--specgate-results", str(results),
             # the plugin is imported before pytest starts, so pytest cannot rewrite its asserts
             "-W", "ignore::pytest.PytestAssertRewriteWarning",
             "-W", "ignore::DeprecationWarning"]
-    if opts.draft_model:
-        args += ["--specgate-draft-model", opts.draft_model]
-    if opts.graphs:
-        args += ["--specgate-graphs", opts.graphs]
-    if opts.device != "cpu":
-        args += ["--specgate-device", opts.device]
     if junit is not None:
         args += ["--junitxml", str(junit)]
-    if opts.case_timeout is not None:
-        args += ["--specgate-case-timeout", str(opts.case_timeout)]
-    args += [arg for nodeid in opts.only for arg in ("--specgate-only", nodeid)]
-    if opts.keyword:
-        args += ["-k", opts.keyword]
-    if opts.shard:
-        args += ["--specgate-shard", opts.shard]
-    if opts.durations:
-        args += ["--specgate-durations", opts.durations]
+    # selection, shards and workers are pytest's and its plugins' own options
+    args += [arg for nodeid in plan.only for arg in ("--specgate-only", nodeid)]
+    if plan.keyword:
+        args += ["-k", plan.keyword]
+    if plan.shard:
+        args += ["--specgate-shard", plan.shard]
+    if plan.durations:
+        args += ["--specgate-durations", plan.durations]
     if opts.repro_dir:
         args += ["--specgate-repro-dir", opts.repro_dir]
     if opts.stop_at_first_failure:
         args.append("-x")
-    if opts.workers >= 1:
-        args += ["-n", str(opts.workers)]
+    if plan.workers >= 1:
+        args += ["-n", str(plan.workers)]
     return args
 
 
@@ -142,14 +131,15 @@ def _no_plugin_autoload() -> Iterator[None]:
 def _run_source_mutant(opts: SuiteOptions, results: Path, junit: Path | None) -> SuiteRun | None:
     """A source-patch mutant's suite runs in a subprocess that imports its patched
     ``refengine`` (``conformance.backends.mutants.source_patches``); ``plugins`` cannot follow it
-    there (no progress is drawn). None: ``opts.backend`` is no source mutant."""
+    there (no progress is drawn). None: the plan's backend is no source mutant."""
     from conformance.backends.mutants.source_patches import SOURCE_MUTANTS, run_patched
 
-    mutant = SOURCE_MUTANTS.get(opts.backend.removeprefix("mutant:"))
-    if mutant is None or not opts.backend.startswith("mutant:"):
+    backend = opts.plan.backend
+    mutant = SOURCE_MUTANTS.get(backend.removeprefix("mutant:"))
+    if mutant is None or not backend.startswith("mutant:"):
         return None
     done = run_patched(mutant, suite_args(opts, results, junit))
-    loaded = json.loads(results.read_text()) if results.exists() else None
+    loaded = read_results(results) if results.exists() else None
     problems = [] if loaded is not None else [(done.stderr or done.stdout).strip()[-2000:]]
     return SuiteRun(done.returncode, loaded, False, problems)
 
@@ -162,5 +152,5 @@ def run_suite(opts: SuiteOptions, results: Path, junit: Path | None = None,
     watch = SuiteWatch()
     with _no_plugin_autoload(), contextlib.redirect_stdout(io.StringIO()):
         code = pytest.main(suite_args(opts, results, junit), plugins=[watch, *plugins])
-    loaded = json.loads(results.read_text()) if results.exists() else None
+    loaded = read_results(results) if results.exists() else None
     return SuiteRun(int(code), loaded, watch.interrupted, watch.problems)

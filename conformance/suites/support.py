@@ -72,7 +72,7 @@ def with_graph_runner(sg: SuiteContext) -> SuiteContext:
     if sg.graph_executor is not None:
         pytest.skip(f"not applicable: this run opens every check with the graph runner on "
                     f"(--graphs {sg.graph_executor})")
-    return replace(sg, graph_executor=GRAPH_CHECK_EXECUTOR)
+    return sg.with_executor(GRAPH_CHECK_EXECUTOR)
 
 
 def assert_length_limited(sg: SuiteContext, outcomes: dict[str, Outcome],

@@ -106,7 +106,7 @@ def test_acceptance_matches_golden(sg: SuiteContext, spec_config: SpecConfig | N
                                    record_property: Record) -> None:
     trace = _trace(spec_config, PLAIN)
     assert spec_config is not None
-    recorded = int(trace.sampling["max_new_tokens"])
+    recorded = trace.sampling.max_new_tokens
     tokens = recorded if sg.profile.name == "full" else min(GATE_TOKENS, recorded)
     driver = _run(sg, spec_config, trace, tokens)
     outcomes = driver.outcomes
@@ -138,7 +138,7 @@ def _check_whole(sg: SuiteContext, spec_config: SpecConfig | None, scenario: Sce
     ``golden_trace_tau`` (the certificate's golden τ and histograms stay the plain trace's)."""
     trace = _trace(spec_config, scenario)
     assert spec_config is not None
-    driver = _run(sg, spec_config, trace, int(trace.sampling["max_new_tokens"]))
+    driver = _run(sg, spec_config, trace, trace.sampling.max_new_tokens)
     problems = _compare(trace, driver, spec_config)
     record_property("trace_tau", golden.summarize(
         [o.accept_lens for o in driver.outcomes.values()], spec_config.num_steps)["mean_tau"])

@@ -52,6 +52,7 @@ from conformance.contract import GraphProbe, KeyWidthProbe
 from conformance.plan.requests import context_limit
 from conformance.run.context import SuiteContext
 from conformance.suites.support import page_for
+from conformance.suites.support_extras import graph_probe_handle
 
 pytestmark = [pytest.mark.specgate_tier("graph"), pytest.mark.specgate_requires("graph_runner")]
 
@@ -69,7 +70,7 @@ def _open_probe(sg: SuiteContext, **limits: int) -> Iterator[GraphProbe]:
     limits["page_size"] = page_for(sg, limits["page_size"])
     handle = sg.backend.open(sg.open_config(sg.spec.configs[0], **limits))
     try:
-        made = handle.graph_probe()  # type: ignore[attr-defined]
+        made = graph_probe_handle(handle).graph_probe()
         assert isinstance(made, GraphProbe), f"graph_probe() returned {type(made).__name__}"
         check_probe_bounds(made, limits["max_running_requests"])
         yield made

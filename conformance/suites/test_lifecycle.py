@@ -11,11 +11,9 @@ the reference's output need not come."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-
 import pytest
 
-from conformance.repro.driver import Driver, Outcome
+from conformance.repro.driver import Driver
 from conformance.run.context import SuiteContext
 from conformance.suites.support import (
     assert_matches_oracle,
@@ -25,26 +23,18 @@ from conformance.suites.support import (
     open_driver,
     run_all,
 )
+from conformance.suites.support_in_flight import assert_acceptance_accounts, in_flight_of
+from conformance.suites.support_stops import (
+    assert_stop_strings,
+    stops_to_compare,
+    string_offsets,
+)
 
 pytestmark = pytest.mark.specgate_tier("lifecycle")
 
 
 def _longest(sg: SuiteContext) -> list[int]:
     return list(max(sg.prompts, key=lambda c: len(c.ids)).ids)
-
-
-def _stops_to_compare(sg: SuiteContext, prompt: list[int], outcomes: Mapping[str, Outcome],
-                      ends: Mapping[str, int]) -> list[str]:
-    """Of the requests (rid -> the tokens the reference emits up to its placed stop), those
-    whose stop can be compared: not those whose output first differs from the reference's at
-    a near-tie before that end (``near_tied``, listed): they continue another prefix. Not
-    applicable (skipped, saying why) when that leaves none."""
-    tied = near_tied(sg, {rid: outcomes[rid].output_ids for rid in ends},
-                     {rid: (prompt, greedy(n)) for rid, n in ends.items()})
-    if len(tied) == len(ends):
-        pytest.skip(f"not applicable: each of the {len(ends)} request(s) left the reference's "
-                    f"output at a near-tie before its stop (listed in near_ties)")
-    return [rid for rid in ends if rid not in tied]
 
 
 def _assert_phase(driver: Driver, phase: str) -> None:
@@ -82,7 +72,7 @@ def test_stop_at_first_token(sg: SuiteContext) -> None:
     first = sg.oracle.greedy(tuple(prompt), greedy(1))[0]
     with open_driver(sg) as driver:
         outcomes = run_all(driver, {"r": (prompt, greedy(16, stop_token_ids=(first,)))})
-    for rid in _stops_to_compare(sg, prompt, outcomes, {"r": 1}):
+    for rid in stops_to_compare(sg, prompt, outcomes, {"r": 1}):
         assert outcomes[rid].output_ids == [first] and outcomes[rid].reason == "stop", (
             outcomes[rid])
 
@@ -123,39 +113,10 @@ def test_stop_token_at_every_offset(sg: SuiteContext) -> None:
     with open_driver(sg) as driver:
         outcomes = run_all(driver, requests)
     ends = {rid: int(rid.rsplit("-", 1)[1]) + 1 for rid in requests}
-    for rid in _stops_to_compare(sg, prompt, outcomes, ends):
+    for rid in stops_to_compare(sg, prompt, outcomes, ends):
         n, o = ends[rid], outcomes[rid]
         assert o.output_ids == want[:n] and o.reason == "stop", (
             f"{rid}: got {len(o.output_ids)} tokens ({o.reason}), expected {n} (stop)")
-
-
-def _string_offsets(sg: SuiteContext, want: list[int]) -> Iterator[tuple[int, str, str]]:
-    """``(i, before, text)`` for the first output indices i whose token adds whole characters
-    of its own after a non-empty text: ``before`` decodes ``want[:i]``, ``text``
-    ``want[:i + 1]``. A stop string ending in token i's characters completes at i."""
-    for i in range(1, 17):
-        before, text = sg.oracle.decode(want[:i]), sg.oracle.decode(want[:i + 1])
-        if before and text.startswith(before) and len(text) > len(before):
-            yield i, before, text
-
-
-def _assert_stop_strings(sg: SuiteContext, prompt: list[int], want: list[int],
-                         stops: dict[str, tuple[int, tuple[str, ...]]]) -> None:
-    """Run each request (its rid -> the output index its stop strings complete at, the
-    strings): each ends at that index's token, reason ``stop``, with the reference's finish
-    text (cut before the earliest stop string in it); nothing after it is emitted."""
-    requests = {rid: (prompt, greedy(24, stop=strings)) for rid, (_, strings) in stops.items()}
-    with open_driver(sg) as driver:
-        outcomes = run_all(driver, requests)
-    for rid in _stops_to_compare(sg, prompt, outcomes,
-                                 {rid: i + 1 for rid, (i, _) in stops.items()}):
-        i, strings = stops[rid]
-        ids, text = want[:i + 1], sg.oracle.finish_text(want[:i + 1], strings)
-        o = outcomes[rid]
-        assert (o.output_ids, o.reason, o.text) == (ids, "stop", text), (
-            f"{rid} (stop strings {strings!r}): got {len(o.output_ids)} tokens ({o.reason}) and "
-            f"text ending {o.text[-12:]!r}; expected {len(ids)} tokens (stop) and text ending "
-            f"{text[-12:]!r}")
 
 
 def test_stop_string_at_every_offset(sg: SuiteContext) -> None:
@@ -166,13 +127,13 @@ def test_stop_string_at_every_offset(sg: SuiteContext) -> None:
     prompt = list(sg.prompts[0].ids)
     want = sg.oracle.greedy(tuple(prompt), greedy(24))
     stops = {}
-    for i, before, text in _string_offsets(sg, want):
+    for i, before, text in string_offsets(sg, want):
         stop = text[len(before) - 1:]  # the last character before token i, then token i's
         if stop not in before:  # else it would complete earlier
             stops[f"stop-at-{i}"] = (i, (stop,))
     model_property(sg, len(stops) >= 4,
                    "the first prompt's greedy output gives too few offsets to place stop strings")
-    _assert_stop_strings(sg, prompt, want, stops)
+    assert_stop_strings(sg, prompt, want, stops)
 
 
 def test_earliest_of_several_stop_strings(sg: SuiteContext) -> None:
@@ -184,7 +145,7 @@ def test_earliest_of_several_stop_strings(sg: SuiteContext) -> None:
     prompt = list(sg.prompts[0].ids)
     want = sg.oracle.greedy(tuple(prompt), greedy(24))
     stops = {}
-    for i, before, text in _string_offsets(sg, want):
+    for i, before, text in string_offsets(sg, want):
         near, far = text[len(before) - 1:], text[len(before) - 2:]
         after = sg.oracle.decode(want[:i + 2])
         unreached = after[len(text):] if after.startswith(text) else ""
@@ -195,7 +156,7 @@ def test_earliest_of_several_stop_strings(sg: SuiteContext) -> None:
     model_property(sg, len(stops) >= 4,
                    "the first prompt's greedy output gives too few offsets to place several "
                    "stop strings at")
-    _assert_stop_strings(sg, prompt, want, stops)
+    assert_stop_strings(sg, prompt, want, stops)
 
 
 @pytest.mark.specgate_requires("stepwise", "forced_retract")
@@ -314,29 +275,6 @@ def test_abort_frees_the_only_running_slot(sg: SuiteContext) -> None:
 
 # --- stale results: acting on a request while a launched step of it is unresolved -------------
 
-InFlight = Callable[[], frozenset[str]]
-
-
-def _in_flight(sg: SuiteContext, driver: Driver) -> InFlight:
-    """The handle's view of launched, unresolved steps; a configuration without overlap
-    scheduling resolves every step before the next, so these cases do not apply to it."""
-    if not driver.overlap:
-        pytest.skip("not applicable: this configuration resolves every step before the next")
-    return driver.handle.in_flight  # type: ignore[attr-defined,no-any-return]
-
-
-def _assert_acceptance_accounts(driver: Driver, rid: str, outcome: Outcome) -> None:
-    """Every token came from a prefill (one per prefill, re-prefills after retraction too) or
-    from a verify step counted in accept_lens: a stale result counted as acceptance breaks it."""
-    if not driver.caps.acceptance_stats:
-        return
-    prefills = 1 + driver.retracted[rid]
-    assert len(outcome.output_ids) == prefills + sum(outcome.accept_lens), (
-        f"{rid}: {len(outcome.output_ids)} tokens, but {prefills} prefill(s) and verify steps "
-        f"accepting {sum(outcome.accept_lens)} ({outcome.accept_lens}) account for "
-        f"{prefills + sum(outcome.accept_lens)}")
-
-
 @pytest.mark.specgate_requires("stepwise", "abort", "in_flight")
 def test_abort_while_step_in_flight(sg: SuiteContext) -> None:
     """Abort a decoding request whose next step is launched and unresolved: it gets no token
@@ -344,7 +282,7 @@ def test_abort_while_step_in_flight(sg: SuiteContext) -> None:
     requests = {c.id: (list(c.ids), greedy(24)) for c in sg.prompts[:3]}
     victim = next(iter(requests))
     with open_driver(sg) as driver:
-        in_flight = _in_flight(sg, driver)
+        in_flight = in_flight_of(driver)
         for rid, (prompt, params) in requests.items():
             driver.submit(rid, prompt, params)
         driver.step_until(lambda: len(driver.streamed[victim]) >= 2 and victim in in_flight(),
@@ -357,7 +295,7 @@ def test_abort_while_step_in_flight(sg: SuiteContext) -> None:
         f"{victim} had {len(before)} tokens when aborted with a step in flight, then streamed "
         f"{len(driver.streamed[victim]) - len(before)} more and finished with "
         f"{len(outcomes[victim].output_ids)}")
-    _assert_acceptance_accounts(driver, victim, outcomes[victim])
+    assert_acceptance_accounts(driver, victim, outcomes[victim])
     assert_matches_oracle(sg, outcomes, {r: q for r, q in requests.items() if r != victim})
 
 
@@ -376,7 +314,7 @@ def test_finish_while_step_in_flight(sg: SuiteContext) -> None:
                    "the prompt set's greedy outputs give too few distinct tokens to place stops")
     finished_in_flight: set[str] = set()
     with open_driver(sg) as driver:
-        in_flight = _in_flight(sg, driver)
+        in_flight = in_flight_of(driver)
         for rid, (prompt, params) in requests.items():
             driver.submit(rid, prompt, params)
         while driver.live:
@@ -388,7 +326,7 @@ def test_finish_while_step_in_flight(sg: SuiteContext) -> None:
         f"no request finished while a launched step of it was unresolved "
         f"(finished: {sorted(driver.outcomes)}): the stale path went unchecked")
     for rid in finished_in_flight:
-        _assert_acceptance_accounts(driver, rid, driver.outcomes[rid])
+        assert_acceptance_accounts(driver, rid, driver.outcomes[rid])
     assert_matches_oracle(sg, driver.outcomes, requests)
 
 
@@ -399,7 +337,7 @@ def test_retract_while_step_in_flight(sg: SuiteContext) -> None:
     requests = {c.id: (list(c.ids), greedy(20)) for c in sg.prompts[:3]}
     hit: set[str] = set()
     with open_driver(sg, retract_every=2) as driver:
-        in_flight = _in_flight(sg, driver)
+        in_flight = in_flight_of(driver)
         for rid, (prompt, params) in requests.items():
             driver.submit(rid, prompt, params)
         while driver.live:
@@ -410,5 +348,5 @@ def test_retract_while_step_in_flight(sg: SuiteContext) -> None:
     assert hit, (f"retract_every=2 retracted {dict(driver.retracted)}, none while a launched "
                  f"step of it was unresolved: the stale path went unchecked")
     for rid in requests:
-        _assert_acceptance_accounts(driver, rid, driver.outcomes[rid])
+        assert_acceptance_accounts(driver, rid, driver.outcomes[rid])
     assert_matches_oracle(sg, driver.outcomes, requests)

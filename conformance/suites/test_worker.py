@@ -19,6 +19,7 @@ import pytest
 from conformance.contract import PhaseRecord, SpecConfig
 from conformance.run.context import SuiteContext
 from conformance.suites.support import assert_matches_oracle, greedy, open_driver, run_all
+from conformance.suites.support_extras import worker_hooks_handle
 
 pytestmark = [pytest.mark.specgate_tier("worker"),
               pytest.mark.specgate_requires("worker_hooks", "stepwise")]
@@ -68,7 +69,7 @@ def test_phase_kinds_and_shapes(sg: SuiteContext) -> None:
     spec = _spec(sg)
     requests = {c.id: (list(c.ids), greedy(10)) for c in sg.prompts[:3]}
     with open_driver(sg, spec) as driver:
-        hooks = driver.handle.worker_hooks()
+        hooks = worker_hooks_handle(driver.handle).worker_hooks()
         outcomes = run_all(driver, requests)
     trace = hooks.trace
     hidden = _hidden(trace)
@@ -98,7 +99,7 @@ def test_all_finish_inside_verify_installs_idle_then_merges(sg: SuiteContext) ->
     first = {f"{c.id}-a": (list(c.ids), greedy(3)) for c in sg.prompts[:3]}
     later = {f"{c.id}-b": (list(c.ids), greedy(4)) for c in sg.prompts[3:5]}
     with open_driver(sg, spec) as driver:
-        hooks = driver.handle.worker_hooks()
+        hooks = worker_hooks_handle(driver.handle).worker_hooks()
         for rid in first:
             hooks.force_accept(rid, spec.num_steps)
         run_all(driver, first)
@@ -147,7 +148,7 @@ def test_forced_acceptance_keeps_accounting(sg: SuiteContext, drafts: int | str)
     n = spec.num_steps if drafts == "max" else int(drafts)
     requests = {c.id: (list(c.ids), greedy(13)) for c in sg.prompts[:4]}
     with open_driver(sg, spec, page_size=4) as driver:
-        hooks = driver.handle.worker_hooks()
+        hooks = worker_hooks_handle(driver.handle).worker_hooks()
         for rid in requests:
             hooks.force_accept(rid, n)
         outcomes = run_all(driver, requests)

@@ -13,13 +13,15 @@ follow an engine's limits (the pool's slots, the row table's rows) are left free
 (``open_limits``), so engines opened with other limits share it. A different model or torch
 gives a different name, so a stale artefact is never found.
 
-The cache itself is ``aot_store.py``: a package holds only code, its constants (folded and
-packed weights) are stored once per machine by content and shared by every package of the
-model; each package's bytes are checked against a digest recorded at build time, a package
-that crashed a process is rebuilt, a key that cannot be built there (a read-only cache, a full
-disk) runs compiled in memory (``InMemoryKey``) with one warning, and the cache keeps to a size
-budget. It lives in ``$SPECGATE_CACHE_DIR``, else ``$XDG_CACHE_HOME/specgate``
-(``~/.cache/specgate``); ``specgate cache info|prune|clear`` shows, trims and empties it.
+The cache itself is ``aot_store.py`` (its files ``aot_format.py``, what it holds and trims
+``aot_index.py``, this process's part ``aot_process.py``): a package holds only code, its
+constants (folded and packed weights) are stored once per machine by content and shared by
+every package of the model; each package's bytes are checked against a digest recorded at
+build time, a package that crashed a process is rebuilt, a key that cannot be built there (a
+read-only cache, a full disk) runs compiled in memory (``CompiledKey``) with one warning, and
+the cache keeps to a size budget. It lives in ``$SPECGATE_CACHE_DIR``, else
+``$XDG_CACHE_HOME/specgate`` (``~/.cache/specgate``); ``specgate cache info|prune|clear``
+shows, trims and empties it.
 """
 
 from __future__ import annotations
@@ -32,27 +34,25 @@ import json
 import warnings
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic
 from unittest import mock
 
 import torch
 
-from refengine.graph import aot_store
-from refengine.graph.aot_store import CACHE_ENV as CACHE_ENV  # re-exported: callers, tests
-from refengine.graph.aot_store import (
+from refengine.graph.aot_format import CACHE_ENV as CACHE_ENV  # re-exported: callers, tests
+from refengine.graph.aot_format import (
     SHARED_WEIGHTS,
     ArtefactKey,
     CannotBuild,
     Constants,
-    PackageCache,
 )
-from refengine.graph.aot_store import cache_dir as cache_dir
-from refengine.graph.aot_store import open_package as open_package
-from refengine.graph.compile import FROZEN_WEIGHTS, WarmKeys, own_code
-from refengine.graph.executors import GraphKey, whole_forward
-from refengine.graph.staging import StagedViews
-from refengine.memory.kv_pool import KVPool
-from refengine.model.llama import ForwardOutput, LlamaForCausalLM, Rotary
+from refengine.graph.aot_format import cache_dir as cache_dir
+from refengine.graph.aot_format import open_package as open_package
+from refengine.graph.aot_store import PackageCache
+from refengine.graph.compile import FROZEN_WEIGHTS
+from refengine.graph.compiled import CompiledKey
+from refengine.graph.export import Dims
+from refengine.graph.program import K2, R2, V2, Executor, K, Program, R, V
 
 # A package's GEMMs: inductor's C++ templates (``FROZEN_WEIGHTS``) beat ATen's GEMM on the same
 # packed weights when a forward has few rows, and lose to it by far when it has many (a verify
@@ -63,13 +63,12 @@ _ATEN_GEMMS = {"freezing": True}
 _REFENGINE = Path(__file__).resolve().parents[1]
 # What a key that cannot be built is compiled with in memory (tests: "eager", no code made).
 FALLBACK_BACKEND = "inductor"
-_LOADED = aot_store._LOADED  # the packages this process loaded, by file
 # The code a compiled forward is made of: a change in any of these changes every artefact.
-# Not this file: its cache and loader are not in a package, and the export wrappers it defines
-# are in the digest as classes (``code_digest``), so fixing the loader keeps the packages.
+# Not this file: its cache and loader are not in a package, so fixing the loader keeps the
+# packages.
 _FORWARD_SOURCES = ("model/llama.py", "model/attention.py", "model/eagle.py",
-                    "model/frozen_kv_mtp.py", "graph/executors.py", "graph/staging.py",
-                    "graph/compile.py", "graph/draft_loop.py", "speculative/draft_search.py")
+                    "model/frozen_kv_mtp.py", "graph/target.py", "graph/staging.py",
+                    "graph/compile.py", "graph/loops.py", "speculative/draft_search.py")
 
 
 def package_settings(rows: int) -> dict[str, Any]:
@@ -86,18 +85,6 @@ def weights_digest(module: torch.nn.Module) -> str:
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
-
-
-Dims = dict[int, torch.export.Dim]  # an input's dimensions that a package leaves free
-
-
-def open_limits() -> tuple[Dims, Dims]:
-    """The free dimensions of the KV pool (its slots) and of the row table (its rows): they
-    follow the limits an engine opens with (pool tokens, requests), not the shapes a key
-    computes on, so engines opened with other limits share the package. The table's width
-    stays fixed: a key at the widest width reads the whole row, a narrower one a prefix, and
-    export compiles the two differently."""
-    return {1: torch.export.Dim("slots", min=2)}, {0: torch.export.Dim("rows", min=2)}
 
 
 def signature(inputs: Sequence[torch.Tensor], free: Sequence[Dims | None] = ()) -> str:
@@ -191,54 +178,13 @@ def supplies(path: Path, constants: Constants) -> bool:
     return True
 
 
-def register_tables(module: torch.nn.Module, rotary: Rotary) -> None:
-    """The rotary tables (plain tensors, not module state) as ``module``'s buffers, so the
-    weights digest of what a package exports covers them (they follow the model's config)."""
-    module.register_buffer("rotary_cos", rotary.cos, persistent=False)
-    module.register_buffer("rotary_sin", rotary.sin, persistent=False)
-
-
-class _KeyForward(torch.nn.Module):
-    """The graph runner's whole forward at one key width, as a module to export (its weights
-    are the model's; the pools, staged views and row table are its inputs)."""
-
-    def __init__(self, model: LlamaForCausalLM, max_kv: int) -> None:
-        super().__init__()
-        self.model, self.max_kv = model, max_kv
-        register_tables(self, model.rotary)
-
-    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``inputs``: the pools, the staged views and the row table, in ``whole_forward``'s
-        order."""
-        return whole_forward(self.model, *inputs, self.max_kv)
-
-
-def _call(module: torch.nn.Module, *inputs: torch.Tensor) -> Any:
-    return module(*inputs)
-
-
-class InMemoryKey:
-    """A key run without a package, where none can be built (``CannotBuild``): the module a
-    build would export, compiled in this process as the "compiled" executor compiles a key
-    (``fullgraph``, static shapes, guards skipped once warm), gone when the process ends."""
-
-    def __init__(self, module: torch.nn.Module, key: Hashable) -> None:
-        self.module, self.key = module, key
-        self._forward = torch.compile(own_code(_call), backend=FALLBACK_BACKEND, fullgraph=True,
-                                      dynamic=False)
-        self._warm = WarmKeys(freeze_weights=False)
-
-    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        with self._warm.settings(self.key):
-            return list(self._forward(self.module, *inputs))
-
-
 class AotPackages:
     """Loaded packages by key, for one module's forward (the target's, or a draft loop's):
     ``load(key, label, module, inputs)`` loads the key's package, building it first if this
     machine has none (``module`` exported on ``inputs``); ``run(key, inputs)`` calls it
     directly, with no tracing, guards or Python wrapper around the compiled code. A key this
-    machine cannot build runs as an ``InMemoryKey``."""
+    machine cannot build runs compiled in memory (a ``CompiledKey``), gone when the process
+    ends."""
 
     def __init__(self, weights: torch.nn.Module, cache: PackageCache | None = None) -> None:
         """``weights``: the module a build exports, holding every tensor the packages fold in
@@ -300,7 +246,7 @@ class AotPackages:
                                                          self._build_bytes)
         except CannotBuild as err:
             self.cache.fall_back(label, err)
-            self._loaded[key] = InMemoryKey(module().eval(), key)
+            self._loaded[key] = CompiledKey(module(), key, FALLBACK_BACKEND)
 
     def run(self, key: Hashable, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         try:
@@ -314,38 +260,34 @@ class AotPackages:
             raise
 
 
-class AotExecutor:
-    """The target's decode and verify keys as persistent AOTInductor packages (module
-    docstring); each loaded package is called directly with the staged views."""
+class AotExecutor(Generic[K, V, R]):
+    """Each key of ``program`` as a persistent AOTInductor package (module docstring), called
+    directly with the staged views; its siblings (the draft loops') keep their packages in the
+    same cache, so one engine reports its builds together."""
 
     name = "aot"
     outputs_persist = False  # a package allocates its outputs per call
 
-    def __init__(self, model: LlamaForCausalLM, kv: KVPool, table: torch.Tensor,
-                 cache: PackageCache | None = None) -> None:
-        self.model, self.kv, self.table = model, kv, table
-        self.packages = AotPackages(_KeyForward(model, 0), cache)
+    def __init__(self, program: Program[K, V, R], cache: PackageCache | None = None) -> None:
+        self.program = program
+        self.packages = AotPackages(program.weights(), cache)
 
-    def _inputs(self, views: StagedViews) -> list[torch.Tensor]:
-        return [self.kv.k, self.kv.v, views.input_ids, views.positions, views.out_slots,
-                views.rows, views.seq_lens, views.tree_mask, self.table]
+    def prepare(self, key: K, views: V) -> None:
+        """Load ``key`` (built first if needed) and call it once on ``views`` (padding only):
+        a package is marked as loading until its first call returns, so a later process does
+        not take a process ended meanwhile for its crash."""
+        self.run(key, views)
 
-    def _load(self, key: GraphKey, views: StagedViews) -> None:
-        pool, table = open_limits()
-        tokens = f"-n{views.q}" if views.q > 1 else ""  # a verify key's tokens per request
-        self.packages.load(key, f"{key.kind}{tokens}-b{key.bucket}-kv{key.max_kv}",
-                           lambda: _KeyForward(self.model, key.max_kv), self._inputs(views),
-                           key.bucket * views.q, [pool, pool, *[None] * 6, table])
+    def run(self, key: K, views: V) -> R:
+        inputs = self.program.inputs(views)
+        if key not in self.packages:
+            spec = self.program.package(key, views)
+            self.packages.load(key, spec.label, lambda: self.program.module(key), inputs,
+                               spec.rows, spec.free)
+        return self.program.outputs(self.packages.run(key, inputs))
 
-    def prepare(self, key: GraphKey, views: StagedViews) -> None:
-        """Load ``key`` (built first if needed) and call it once on ``views`` (padding only),
-        as the replay executor does: a package is marked as loading until its first call
-        returns, so a later process does not take a process ended meanwhile for its crash."""
-        self._load(key, views)
-        if key in self.packages:
-            self.packages.run(key, self._inputs(views))
+    def pending(self) -> list[K]:
+        return []  # a key loads (or builds) wherever it is first needed
 
-    def run(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
-        self._load(key, views)
-        logits, features = self.packages.run(key, self._inputs(views))
-        return ForwardOutput(logits, features)
+    def sibling(self, program: Program[K2, V2, R2]) -> Executor[K2, V2, R2]:
+        return AotExecutor(program, self.packages.cache)

@@ -13,15 +13,15 @@ callable (``search``, ``static_attention`` and the model's forward do tensor wor
 Memory: every capture of one runner allocates from one private pool (``CudaGraphs.pool``), so
 the keys share their temporaries instead of each holding its own. The price is that a replay
 may overwrite memory another key's outputs live in, so the outputs of a replay are valid only
-until the next replay of any key: ``outputs_persist`` makes the graph runner copy them out at
-once, and ``DraftLoopGraph`` does the same with a loop's outputs.
+until the next replay of any key: ``outputs_persist`` makes the graph runner and the draft
+loops copy them out at once.
 
 Captures happen only on the thread that built the recorder (the engine's): a capture on the
 overlap scheduler's launch thread, beside the resolving thread's own CUDA work, can be
 invalidated by it (docs/decisions.md). A key first needed on another thread runs eagerly that
 once and is queued (``pending``); the engine captures the queue
-(``GraphRunner.capture_pending``) on its own thread before the next launch, on a batch of
-padding, while nothing else runs.
+(``GraphRunner.capture_pending``, through each executor's ``pending``) on its own thread
+before the next launch, on a batch of padding, while nothing else runs.
 
 ``EmulatedGraphs`` is a CPU stand-in with the same observable contract (static outputs,
 overwritten in place by every replay; inputs read at replay), so the executor's capture,
@@ -33,13 +33,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol
 
 import torch
 
-from refengine.graph.executors import GraphKey, StaticForward
-from refengine.graph.staging import StagedViews
-from refengine.model.llama import ForwardOutput
+from refengine.graph.program import K2, R2, V2, Executor, K, Program, R, V
 
 WARMUP_CALLS = 2  # before capture: lazy initialisation (cuBLAS handles, autotuning) stays out
 
@@ -143,16 +141,6 @@ class EmulatedGraphs(OwnThread):
         return Captured(replay, outputs)
 
 
-def clone_outputs(out: Any) -> Any:
-    """A copy of a replay's outputs that the next replay cannot overwrite."""
-    if isinstance(out, torch.Tensor):
-        return out.clone()
-    if isinstance(out, tuple):
-        items = [clone_outputs(o) for o in out]
-        return type(out)(*items) if hasattr(out, "_fields") else tuple(items)
-    return type(out)(**{name: clone_outputs(v) for name, v in vars(out).items()})
-
-
 class KeyedGraphs:
     """One recorder's graphs by key, and the rule both the target's executor and the draft
     loops follow: a key is captured on its first use where the recorder may capture, else
@@ -181,21 +169,29 @@ class KeyedGraphs:
         return self.captured[key].replay()
 
 
-class CudaGraphExecutor:
-    """The target's decode and verify keys as CUDA graphs: ``prepare`` captures a key on the
-    staged views it is given (a batch of padding when capturing ahead, which writes only the
-    dummy page; the step's own batch on first use, whose KV writes the replay then repeats
-    with the same values), ``run`` replays it."""
+class CudaGraphExecutor(Generic[K, V, R]):
+    """Each key of ``program`` as a CUDA graph: ``prepare`` captures a key on the staged views
+    it is given (a batch of padding when capturing ahead, which writes only the dummy page;
+    the step's own batch on first use, whose KV writes the replay then repeats with the same
+    values), ``run`` replays it. Its siblings (the draft loops') record with the same recorder,
+    into the same memory pool."""
 
     name = "cuda"
-    outputs_persist = True  # the pool is shared: the runner copies the outputs out
+    outputs_persist = True  # the pool is shared: callers copy the outputs out
 
-    def __init__(self, forward: StaticForward, graphs: GraphRecorder) -> None:
-        self.forward, self.graphs = forward, graphs
+    def __init__(self, program: Program[K, V, R], graphs: GraphRecorder) -> None:
+        self.program, self.graphs = program, graphs
         self.keyed = KeyedGraphs(graphs)
 
-    def prepare(self, key: GraphKey, views: StagedViews) -> None:
-        self.keyed.capture(key, lambda: self.forward(key, views))
+    def prepare(self, key: K, views: V) -> None:
+        self.keyed.capture(key, lambda: self.program.run(key, views))
 
-    def run(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
-        return self.keyed.run(key, lambda: self.forward(key, views))
+    def run(self, key: K, views: V) -> R:
+        result: R = self.keyed.run(key, lambda: self.program.run(key, views))
+        return result
+
+    def pending(self) -> list[K]:
+        return sorted(self.keyed.pending) if self.graphs.may_capture() else []
+
+    def sibling(self, program: Program[K2, V2, R2]) -> Executor[K2, V2, R2]:
+        return CudaGraphExecutor(program, self.graphs)

@@ -1,195 +1,150 @@
-"""Executors: what runs a staged forward for one graph key (kind, bucket, key width).
+"""The graph executors by name: what each one is (where it runs, whether it compiles, whether
+its compiled keys outlive the process, how much longer a suite case may take under it) and how
+to make one for a static forward (``program.Program``).
 
-``ReplayExecutor`` calls the captured forward callable on the padded static views, eagerly:
-the same code as an eager step, only on padded fixed-size inputs, which is what the property
-tests need to check staging, padding and slicing on CPU.
-
-``CompiledExecutor`` removes per-op overhead on CPU with ``torch.compile`` (inductor, static
-shapes, one compile per key), the KV writes kept out of the traced pool updates
-(``compile.py``), in one of two ways:
-
-* ``split="whole"`` (default): one compiled region for the model's whole forward, its writes
-  through the in-place op ``refengine::write_kv``.
-* ``split="layers"``: regions between the writes ("attention and MLP of layer l-1, then norm,
-  projections and RoPE of layer l") and eager writes between them. No custom op, but one
-  compiled call per layer, each with a fixed cost on CPU (guards, wrappers) that eats most of
-  what fusing saves.
-
-Both compose the model's own pieces (``LlamaForCausalLM.embed``/``features``/``logits``,
-``DecoderLayer.project``/``finish``); the replay-vs-compiled tests with the "eager" backend
-check they give the model's bits.
+This is the one list of executor names: ``EngineConfig`` validates ``graph_executor`` against
+it and takes the device's default from it, the suite's options, device checks and case
+timeouts read it, and the graph runner and its draft loops make their executors through it.
+It imports no torch: the configuration and the CLI read it without loading torch, and an
+executor's own module (which does) is imported only when one is made.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:
+    from refengine.graph.program import Executor, Program
 
-from refengine.graph.compile import InPlaceKV, WarmKeys, own_code
-from refengine.graph.staging import StagedViews, static_attention
-from refengine.memory.kv_pool import KVPool
-from refengine.model.attention import AttentionMetadata
-from refengine.model.llama import DecoderLayer, ForwardOutput, LlamaForCausalLM, RopeAt
-
-
-class GraphKey(NamedTuple):
-    kind: str     # "decode" or "verify"
-    bucket: int   # padded batch size (requests)
-    max_kv: int   # key columns every request's attention spans
+Device = Literal["cpu", "cuda", "any"]
+# What makes an executor: the static forward it runs and the device the engine runs on.
+ExecutorFactory = Callable[["Program[Any, Any, Any]", str], "Executor[Any, Any, Any]"]
 
 
-class Executor(Protocol):
+def device_kind(device: str) -> Literal["cpu", "cuda"]:
+    """"cuda" for ``cuda`` and ``cuda:N``, else "cpu"."""
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    """One executor: its properties, and ``make``, which imports its module and builds it."""
+
     name: str
-    # True when the returned tensors live in executor-owned memory that the next run
-    # overwrites (a CUDA graph's output pool): the runner must copy them out.
-    outputs_persist: bool
+    device: Device        # where it runs: "cpu", "cuda" or "any"
+    compiles: bool        # generates code per key (first use of a key compiles it)
+    persists: bool        # its compiled keys are kept on disk for later processes
+    timeout_factor: int   # the suite's per-case timeout multiplier under it (compiles inside)
+    label: str            # what it runs, as a plural noun ("CUDA graphs"), for messages
+    description: str      # one line, for the docs' table
+    make: ExecutorFactory = field(repr=False, compare=False)
+    default_on: Literal["cpu", "cuda"] | None = None  # the device kind it is the default for
+    # Why it runs on the CPU only, as a verb phrase (the message for a GPU engine).
+    cpu_reason: str = ""
 
-    def prepare(self, key: GraphKey, views: StagedViews) -> None:
-        """Capture or compile ``key`` (``views`` hold a batch of padding only)."""
+    def runs_on(self, device: str) -> bool:
+        return self.device in ("any", device_kind(device))
 
-    def run(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
-        """The forward of the staged bucket: ``bucket * q`` rows of logits and features."""
-
-
-StaticForward = Callable[[GraphKey, StagedViews], ForwardOutput]
-
-
-class ReplayExecutor:
-    """Runs the captured callable (the model's own forward over the static views) eagerly."""
-
-    name = "replay"
-    outputs_persist = False  # every call allocates its outputs
-
-    def __init__(self, forward: StaticForward) -> None:
-        self.forward = forward
-
-    def prepare(self, key: GraphKey, views: StagedViews) -> None:
-        self.forward(key, views)  # nothing to capture on CPU; runs the padding-only batch once
-
-    def run(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
-        return self.forward(key, views)
+    def device_problem(self, device: str) -> str | None:
+        """Why this executor cannot run on ``device`` (one line); None when it can."""
+        if self.runs_on(device):
+            return None
+        if self.device == "cuda":
+            return f"{self.name!r} ({self.label}) needs device 'cuda[:N]', got {device!r}"
+        return f"{self.name!r} {self.cpu_reason}; on a GPU use {_alternatives(device)}"
 
 
-# --- what the compiled executor compiles ------------------------------------------------------
-# Tensors (and modules) only as arguments, no StagedViews: Dynamo would specialise on its ints
-# (the raw size).
+def _replay(program: Program[Any, Any, Any], device: str) -> Executor[Any, Any, Any]:
+    from refengine.graph.replay import ReplayExecutor
+
+    return ReplayExecutor(program)
 
 
-def whole_forward(model: LlamaForCausalLM, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                   input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
-                   rows: torch.Tensor, seq_lens: torch.Tensor, tree_mask: torch.Tensor,
-                   table: torch.Tensor, max_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's forward over a staged bucket, every write through ``refengine::write_kv``."""
-    attention = static_attention(rows, seq_lens, tree_mask, table, max_kv)
-    features = model.features(input_ids, positions, attention, out_slots,
-                              InPlaceKV(k_pool, v_pool))
-    return model.logits(features), features
+def _compiled(program: Program[Any, Any, Any], device: str) -> Executor[Any, Any, Any]:
+    from refengine.graph.compiled import CompiledExecutor
+
+    return CompiledExecutor(program)
 
 
-def _head_region(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
-                 rows: torch.Tensor, seq_lens: torch.Tensor, tree_mask: torch.Tensor,
-                 table: torch.Tensor, max_kv: int) -> tuple[torch.Tensor, ...]:
-    """Embedding, attention metadata, the first layer's projections."""
-    x, rope = model.embed(input_ids, positions)
-    attention = static_attention(rows, seq_lens, tree_mask, table, max_kv)
-    q, k, v = model.model.layers[0].project(x, rope)
-    return x, rope.cos, rope.sin, attention.kv_slots, attention.mask, q, k, v
+def _frozen(program: Program[Any, Any, Any], device: str) -> Executor[Any, Any, Any]:
+    from refengine.graph.compiled import CompiledExecutor
+
+    return CompiledExecutor(program, freeze_weights=True)
 
 
-def _middle_region(layer: DecoderLayer, following: DecoderLayer, x: torch.Tensor,
-                   q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, kv_slots: torch.Tensor, mask: torch.Tensor
-                   ) -> tuple[torch.Tensor, ...]:
-    """The rest of ``layer`` (its KV written), the projections of ``following``."""
-    x = layer.finish(x, q, k_cache, v_cache, AttentionMetadata(kv_slots, mask))
-    return (x, *following.project(x, RopeAt(cos, sin)))
+def _cuda(program: Program[Any, Any, Any], device: str) -> Executor[Any, Any, Any]:
+    from refengine.graph.cuda_graph import CudaGraphExecutor, CudaGraphs
+
+    return CudaGraphExecutor(program, CudaGraphs(device))
 
 
-def _tail_region(model: LlamaForCausalLM, last: DecoderLayer, x: torch.Tensor, q: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: torch.Tensor,
-                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rest of the last layer, the final norm, the LM head."""
-    features = model.model.norm(last.finish(x, q, k_cache, v_cache,
-                                            AttentionMetadata(kv_slots, mask)))
-    return model.logits(features), features
+def _aot(program: Program[Any, Any, Any], device: str) -> Executor[Any, Any, Any]:
+    from refengine.graph.aot import AotExecutor
+
+    return AotExecutor(program)
 
 
-@dataclass
-class _Regions:
-    head: Callable[..., Any]
-    middle: Callable[..., Any]
-    tail: Callable[..., Any]
+_FOLDS = "folds the weights into CPU GEMM templates"
+
+# In the order the CLI lists them.
+EXECUTORS: dict[str, ExecutorInfo] = {info.name: info for info in (
+    ExecutorInfo("compiled", "any", compiles=True, persists=False, timeout_factor=4,
+                 label="compiled keys",
+                 description="torch.compile per key (inductor): compiled once per machine "
+                 "through inductor's cache, traced again by Dynamo in every process",
+                 make=_compiled),
+    ExecutorInfo("frozen", "cpu", compiles=True, persists=False, timeout_factor=4,
+                 label="weight-folded compiled keys",
+                 description="torch.compile per key with the weights folded in (inductor's "
+                 "C++ GEMM templates); every process compiles each key again",
+                 cpu_reason=_FOLDS, make=_frozen),
+    ExecutorInfo("replay", "any", compiles=False, persists=False, timeout_factor=1,
+                 label="eager replays",
+                 description="the captured forward run eagerly on the static buffers: "
+                 "staging and padding under test, no speed-up",
+                 make=_replay),
+    ExecutorInfo("cuda", "cuda", compiles=False, persists=False, timeout_factor=1,
+                 label="CUDA graphs",
+                 description="each key captured once as a CUDA graph and replayed",
+                 default_on="cuda", make=_cuda),
+    ExecutorInfo("aot", "cpu", compiles=True, persists=True, timeout_factor=4,
+                 label="AOT packages",
+                 description="AOTInductor packages with the weights folded in, compiled once "
+                 "per machine, loaded by later processes and called without Dynamo",
+                 default_on="cpu", cpu_reason=_FOLDS, make=_aot),
+)}
 
 
-class CompiledExecutor:
-    """``torch.compile`` per key (``fullgraph=True``, ``dynamic=False``), the KV writes never
-    traced as pool updates (see the module docstring for ``split``).
+def executor_names() -> tuple[str, ...]:
+    return tuple(EXECUTORS)
 
-    The inductor FX-graph and AOT-autograd caches are switched on around compilation, so a
-    key compiled once on a machine (cache directory ``TORCHINDUCTOR_CACHE_DIR``, by default
-    under the temp directory) only pays Dynamo tracing and a cache load in later processes.
-    ``backend="eager"`` generates no code (Dynamo traces, the graph runs as plain torch): the
-    tests use it to check the compiled forward gives the model's bits.
-    ``freeze_weights`` (the "frozen" executor, see ``compile.FROZEN_WEIGHTS``): faster keys
-    that every process compiles again; the model's weights must not change after a key is
-    compiled.
-    """
 
-    outputs_persist = False  # inductor allocates outputs per call
+def executor_info(name: str) -> ExecutorInfo:
+    """The entry of ``name``; ValueError naming every executor for any other name."""
+    if name not in EXECUTORS:
+        raise ValueError(f"graph executor: one of {', '.join(EXECUTORS)}, got {name!r}")
+    return EXECUTORS[name]
 
-    def __init__(self, model: LlamaForCausalLM, kv: KVPool, table: torch.Tensor,
-                 backend: str = "inductor", split: Literal["whole", "layers"] = "whole",
-                 freeze_weights: bool = False) -> None:
-        if split not in ("whole", "layers"):
-            raise ValueError(f"split: 'whole' or 'layers', got {split!r}")
-        self.model, self.kv, self.table = model, kv, table
-        self.backend, self.split, self.freeze_weights = backend, split, freeze_weights
-        self.name = "frozen" if freeze_weights else "compiled"
-        self._whole: dict[GraphKey, Callable[..., Any]] = {}
-        self._regions: dict[GraphKey, _Regions] = {}
-        self._warm = WarmKeys(freeze_weights)
 
-    def _compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        return torch.compile(own_code(fn), backend=self.backend, fullgraph=True, dynamic=False)
+def default_executor(device: str) -> str:
+    """The executor an engine on ``device`` uses unless told otherwise: the fastest one the
+    graph tier passes on that kind of device."""
+    kind = device_kind(device)
+    return next(info.name for info in EXECUTORS.values() if info.default_on == kind)
 
-    def prepare(self, key: GraphKey, views: StagedViews) -> None:
-        self.run(key, views)
 
-    def run(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
-        if self.split == "whole" and key not in self._whole:
-            self._whole[key] = self._compile(whole_forward)
-        elif self.split == "layers" and key not in self._regions:
-            self._regions[key] = _Regions(self._compile(_head_region),
-                                          self._compile(_middle_region),
-                                          self._compile(_tail_region))
-        with self._warm.settings(key):
-            return self._run(key, views)
+def make_executor(name: str, program: Program[Any, Any, Any], device: str
+                  ) -> Executor[Any, Any, Any]:
+    """Executor ``name`` for ``program`` on ``device`` (its module imported now)."""
+    return executor_info(name).make(program, device)
 
-    def _run(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
-        with torch.inference_mode():
-            if self.split == "whole":
-                logits, features = self._whole[key](
-                    self.model, self.kv.k, self.kv.v, views.input_ids, views.positions,
-                    views.out_slots, views.rows, views.seq_lens, views.tree_mask, self.table,
-                    key.max_kv)
-            else:
-                logits, features = self._run_layers(self._regions[key], key, views)
-        return ForwardOutput(logits, features)
 
-    def _run_layers(self, regions: _Regions, key: GraphKey, views: StagedViews
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        model, kv = self.model, self.kv
-        layers = model.model.layers
-        x, cos, sin, kv_slots, mask, q, k, v = regions.head(
-            model, views.input_ids, views.positions, views.rows, views.seq_lens,
-            views.tree_mask, self.table, key.max_kv)
-        last = len(layers) - 1
-        for i in range(last):
-            kv.write(i, views.out_slots, k, v)  # eager, between two compiled regions
-            x, q, k, v = regions.middle(layers[i], layers[i + 1], x, q, cos, sin,
-                                        kv.k[i], kv.v[i], kv_slots, mask)
-        kv.write(last, views.out_slots, k, v)
-        return regions.tail(model, layers[last], x, q, kv.k[last], kv.v[last], kv_slots, mask)
+def _alternatives(device: str) -> str:
+    """The executors that run on ``device``, its default first: "'a', 'b' or 'c'"."""
+    default = default_executor(device)
+    names = [default, *(n for n, info in EXECUTORS.items()
+                        if info.runs_on(device) and n != default)]
+    quoted = [repr(n) for n in names]
+    return " or ".join([", ".join(quoted[:-1]), quoted[-1]]) if len(quoted) > 1 else quoted[0]

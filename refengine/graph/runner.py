@@ -1,15 +1,16 @@
 """GraphRunner: target decode and verify forwards, and whole draft steps, replayed on static,
 bucket-padded buffers.
 
-It wraps a ``ModelRunner`` and offers the same surface: the ``prepare_*`` methods build every
-batch through the wrapped runner and tag decode/verify batches with what staging needs
-(request rows, lengths, tree mask); a replay builds its own batch over the staged views
-(``static_forward``), its attention derived from them (``static_attention``);
-``forward`` stages a batch it has a bucket for, runs the executor, and slices the real rows
+It wraps a ``ModelRunner`` and implements the same ``Runner`` protocol: the ``prepare_*``
+methods build every batch through the wrapped runner and tag decode/verify batches with what
+staging needs (request rows, lengths, tree mask); ``forward`` stages a batch it has a bucket
+for, runs the executor on the target's static forward (``TargetForward``: a replay builds its
+own batch over the staged views, its attention derived from them), and slices the real rows
 back out; anything else falls back to the wrapped runner's eager forward. With a draft model,
 ``draft_loop`` (``draft_loop.py``) replays a whole draft step on the same buckets and key
-widths; the workers call it before their eager forwards. Everything else (draft prefill and
-draft-extend forwards, ``kv``, ``target``) is the wrapped runner's.
+widths, on a sibling of the target's executor; the workers call it before their eager
+forwards. Everything else (draft prefill and draft-extend forwards, ``kv``, ``target``) is the
+wrapped runner's, each method delegated by name.
 
 Key width: every key fixes ``max_kv``, the number of key columns each request's attention
 gathers and masks, so the shapes of a replay never depend on the requests' lengths. A batch
@@ -30,20 +31,13 @@ import bisect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
 
 import torch
 
 from refengine.device import from_host
-from refengine.graph.aot import AotExecutor
-from refengine.graph.cuda_graph import CudaGraphExecutor, CudaGraphs
 from refengine.graph.draft_loop import DraftLoopGraph
-from refengine.graph.executors import (
-    CompiledExecutor,
-    Executor,
-    GraphKey,
-    ReplayExecutor,
-)
+from refengine.graph.executors import make_executor
+from refengine.graph.program import Executor
 from refengine.graph.staging import (
     StagedViews,
     Staging,
@@ -52,14 +46,17 @@ from refengine.graph.staging import (
     check_sizes,
     kv_widths,
     pad_to_bucket,
-    static_attention,
 )
+from refengine.graph.target import GraphKey, TargetForward
+from refengine.memory.manager import KVManager
 from refengine.model.eagle import EagleDraftModel
 from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
-from refengine.model.llama import ForwardBatch, ForwardOutput
+from refengine.model.llama import ForwardBatch, ForwardOutput, LlamaForCausalLM
 from refengine.request import Req
-from refengine.runner import ModelRunner
-from refengine.speculative.inputs import VerifyInput
+from refengine.runner import DraftNet, ModelRunner
+from refengine.speculative.inputs import DraftExtendInput, VerifyInput
+
+TargetExecutor = Executor[GraphKey, StagedViews, ForwardOutput]
 
 
 @dataclass
@@ -86,15 +83,18 @@ class GraphBatch(ForwardBatch):
 class GraphRunner:
     """``forward(batch)``: stage -> execute -> slice for decode (1 token per request) and
     verify (``verify_tokens`` per request) batches of up to ``max_bs`` requests; the wrapped
-    runner's eager forward otherwise."""
+    runner's eager forward otherwise. It is a ``Runner``: what it does not replay it hands to
+    the wrapped runner, method by method."""
 
     staging_class: type[Staging] = Staging  # the bug zoo swaps in a broken padding
     draft_loop_class: type[DraftLoopGraph] = DraftLoopGraph  # ... or a broken draft loop
 
-    def __init__(self, runner: ModelRunner, executor: str | Executor = "replay",
+    def __init__(self, runner: ModelRunner, executor: str | TargetExecutor = "replay",
                  max_bs: int | None = None, verify_tokens: int | None = None,
                  sizes: Sequence[int] | None = None, kv_sizes: Sequence[int] | None = None,
                  draft_steps: tuple[int, int] | None = None) -> None:
+        """``executor``: a registry name (``refengine.graph.executors``) or an executor of
+        ``TargetForward(runner)``; the draft loops run on its siblings."""
         self.runner = runner
         table = runner.kv.rows.table
         self.sizes = check_sizes(list(sizes) if sizes is not None
@@ -109,68 +109,96 @@ class GraphRunner:
         self.kinds = {"decode": 1}
         if verify_tokens is not None and verify_tokens > 1:
             self.kinds["verify"] = verify_tokens
-        device = table.device
-        self.staging = {kind: self.staging_class(self.sizes[-1], q, device)
+        self.staging = {kind: self.staging_class(self.sizes[-1], q, table.device)
                         for kind, q in self.kinds.items()}
-        self.executor = (self._make_executor(executor) if isinstance(executor, str)
+        self.program = TargetForward(runner)
+        self.executor = (self.executor_for(executor) if isinstance(executor, str)
                          else executor)
-        # The whole draft step as one graph, for a runner with a draft model: ``draft_steps``
-        # is (topk, num_steps). Its executor is the target's ("compiled-layers": "compiled").
-        self.draft_loop: DraftLoopGraph | None = None
-        # An EAGLE head's draft-extend as a graph too (N rows per request, the verify width).
-        self.draft_extend: DraftLoopGraph | None = None
+        # The whole draft step as one graph, for a runner with a draft model (``draft_steps``
+        # is (topk, num_steps)), and an EAGLE head's draft-extend (N rows per request, the
+        # verify width). A standalone draft model drafts forward by forward.
+        self._draft_loop: DraftLoopGraph | None = None
+        self._draft_extend: DraftLoopGraph | None = None
         draft = runner.draft
-        # A standalone draft model drafts forward by forward (no loop graph of its kind).
         if draft_steps is not None and isinstance(draft, (EagleDraftModel, FrozenKVMTPDraftModel)):
-            pool = (runner.kv.draft_pool if isinstance(draft, EagleDraftModel)
-                    else runner.kv.target_pool)
+            eagle = isinstance(draft, EagleDraftModel)
+            pool = runner.kv.draft_pool if eagle else runner.kv.target_pool
             assert pool is not None, "an EAGLE head keeps draft KV"
-            loop_executor = (self.executor.name
-                             if self.executor.name in ("replay", "frozen", "cuda", "aot")
-                             else "compiled")
-            # CUDA graphs: the loops record into the target's pool (one pool per runner).
-            recorder = (self.executor.graphs if isinstance(self.executor, CudaGraphExecutor)
-                        else None)
-            packages = (self.executor.packages.cache if isinstance(self.executor, AotExecutor)
-                        else None)
-            self.draft_loop = self.draft_loop_class(
-                draft, pool, table, *draft_steps, self.sizes, self.kv_sizes, loop_executor,
-                recorder=recorder, packages=packages)
-            if isinstance(draft, EagleDraftModel) and "verify" in self.kinds:
-                self.draft_extend = self.draft_loop_class(
-                    draft, pool, table, *draft_steps, self.sizes, self.kv_sizes, loop_executor,
-                    extend_rows=self.kinds["verify"], recorder=recorder, packages=packages)
+            self._draft_loop = self.draft_loop_class(
+                draft, pool, table, *draft_steps, self.sizes, self.kv_sizes, self.executor)
+            if eagle and "verify" in self.kinds:
+                self._draft_extend = self.draft_loop_class(
+                    draft, pool, table, *draft_steps, self.sizes, self.kv_sizes, self.executor,
+                    extend_rows=self.kinds["verify"])
 
-    def _make_executor(self, name: str) -> Executor:
-        if name == "replay":
-            return ReplayExecutor(self.static_forward)
-        if name in ("compiled", "compiled-layers", "frozen"):
-            return CompiledExecutor(self.runner.target, self.runner.kv.target_pool,
-                                    self.runner.kv.rows.table,
-                                    split="layers" if name == "compiled-layers" else "whole",
-                                    freeze_weights=name == "frozen")
-        if name == "aot":  # persistent packages (refengine/graph/aot.py)
-            return AotExecutor(self.runner.target, self.runner.kv.target_pool,
-                               self.runner.kv.rows.table)
-        if name == "cuda":  # real graphs on a CUDA device; ValueError elsewhere
-            return CudaGraphExecutor(self.static_forward,
-                                     CudaGraphs(self.runner.kv.rows.table.device))
-        raise ValueError(f"executor: 'replay', 'compiled', 'compiled-layers', 'frozen', 'cuda' "
-                         f"or 'aot', got {name!r}")
+    def executor_for(self, name: str) -> TargetExecutor:
+        """The registry's executor ``name`` for the target's forward (ValueError for a name
+        not in it, or "cuda" off a CUDA device); an extension point (the tests' emulated CUDA
+        graphs)."""
+        return make_executor(name, self.program, str(self.runner.kv.rows.table.device))
 
-    def static_forward(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
-        """The captured callable: the model's own forward over the padded static views."""
-        attention = static_attention(views.rows, views.seq_lens, views.tree_mask,
-                                     self.runner.kv.rows.table, key.max_kv)
-        return self.runner.forward(ForwardBatch(views.input_ids, views.positions,
-                                                views.out_slots, attention))
+    # --- the Runner surface: the wrapped runner's parts and its eager batches ------------------
 
-    def __getattr__(self, name: str) -> Any:
-        # Only called for names this class lacks: the draft side, kv, target, ... ("runner"
-        # itself is refused, or a half-built instance would recurse forever).
-        if name == "runner":
-            raise AttributeError(name)
-        return getattr(self.runner, name)
+    @property
+    def target(self) -> LlamaForCausalLM:
+        return self.runner.target
+
+    @property
+    def draft(self) -> DraftNet | None:
+        return self.runner.draft
+
+    @property
+    def kv(self) -> KVManager:
+        return self.runner.kv
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def draft_loop(self) -> DraftLoopGraph | None:
+        return self._draft_loop
+
+    @property
+    def draft_extend(self) -> DraftLoopGraph | None:
+        return self._draft_extend
+
+    def prepare_score(self, req: Req, ids: list[int], slots: torch.Tensor, last_only: bool
+                      ) -> ForwardBatch:
+        return self.runner.prepare_score(req, ids, slots, last_only)
+
+    def prepare_draft_prefill(self, target_batch: ForwardBatch, next_ids: torch.Tensor,
+                              last_rows: torch.Tensor) -> ForwardBatch:
+        return self.runner.prepare_draft_prefill(target_batch, next_ids, last_rows)
+
+    def prepare_draft_step(self, reqs: list[Req], tokens: torch.Tensor, positions: torch.Tensor,
+                           slots: torch.Tensor, width: int, seen: list[int],
+                           masks: list[torch.Tensor] | None = None) -> ForwardBatch:
+        return self.runner.prepare_draft_step(reqs, tokens, positions, slots, width, seen, masks)
+
+    def prepare_draft_extend(self, reqs: list[Req], accepted: DraftExtendInput, ends: list[int]
+                             ) -> ForwardBatch:
+        return self.runner.prepare_draft_extend(reqs, accepted, ends)
+
+    def prepare_tail(self, reqs: list[Req], ids: torch.Tensor, lens: list[int],
+                     ends: list[int]) -> ForwardBatch:
+        return self.runner.prepare_tail(reqs, ids, lens, ends)
+
+    def forward_draft(self, batch: ForwardBatch, features: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.runner.forward_draft(batch, features)
+
+    def forward_draft_model(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.runner.forward_draft_model(batch)
+
+    def prepare_frozen_draft(self, reqs: list[Req], seq_lens: list[int], width: int
+                             ) -> ForwardBatch:
+        return self.runner.prepare_frozen_draft(reqs, seq_lens, width)
+
+    def forward_frozen_draft(self, batch: ForwardBatch, tokens: torch.Tensor,
+                             hidden: torch.Tensor, rows: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.runner.forward_frozen_draft(batch, tokens, hidden, rows)
 
     # --- batches ----------------------------------------------------------------------------
 
@@ -237,15 +265,12 @@ class GraphRunner:
         return ForwardOutput(logits, features)
 
     def capture_pending(self) -> None:
-        """Capture the CUDA-graph keys a launch thread needed first (it ran them eagerly: a
+        """Prepare the keys a launch thread needed first (it ran them eagerly: a CUDA-graph
         capture there would race the resolving thread's CUDA work), each on a batch of padding.
         The engine calls it on its own thread before a launch, while nothing else runs."""
-        executor = self.executor
-        if not isinstance(executor, CudaGraphExecutor) or not executor.graphs.may_capture():
-            return
-        for key in sorted(executor.keyed.pending):
-            executor.prepare(key, self.staging[key.kind].stage(None, key.bucket))
-        for loop in (self.draft_loop, self.draft_extend):
+        for key in self.executor.pending():
+            self.executor.prepare(key, self.staging[key.kind].stage(None, key.bucket))
+        for loop in (self._draft_loop, self._draft_extend):
             if loop is not None:
                 loop.capture_pending()
 

@@ -9,8 +9,8 @@ The two norms are the head's layout (``EagleLayout``, read from config.json): wi
 ``layers.0.input_layernorm.weight`` is not stored; without ``eagle_final_norm`` the predicted
 feature is the layer's output itself and ``norm.weight`` is not stored. vLLM's EAGLE-1 Llama
 head (``architectures: ["EagleLlamaForCausalLM"]``) has neither. Every path that runs the head
-(the eager forward, the graph runner's draft loops through ``fuse``/``layer``/``predict``)
-runs the modules built here, so all of them follow the layout.
+(the eager forward and the graph runner's draft loops, both through ``compute``) runs the
+modules built here, so all of them follow the layout.
 
 Semantics: a row at position p takes the target's feature ``f_p`` (its final-norm output, what
 the LM head reads) and the token ``x_{p+1}``, writes the draft's KV for position p, and predicts
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from refengine.model.attention import AttentionMetadata
 from refengine.model.configs import (
     EAGLE_ARCHITECTURE,
     EAGLE_ARCHITECTURES,
@@ -90,6 +91,17 @@ class EagleDraftModel(nn.Module):
         predicted = self.norm(x)
         return self.target_lm_head(predicted).float(), predicted
 
+    def compute(self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                attention: AttentionMetadata, slots: torch.Tensor, kv: KVCache,
+                keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head on plain tensors, without ``forward``'s inference-mode switch (which a
+        compiled region cannot trace): what the eager forward and the draft loops' graphs both
+        run. Every row writes its draft KV into ``slots``; the ``keep`` rows (all if None),
+        whose queries ``attention`` covers, go on and are predicted from."""
+        x = self.fuse(input_ids, features)
+        x = self.layer(x, self.rotary.at(positions, x.dtype), attention, slots, kv, keep)
+        return self.predict(x)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, features: torch.Tensor, kv: KVCache
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,12 +109,10 @@ class EagleDraftModel(nn.Module):
 
         Every row writes its draft KV; with one layer, only the wanted rows (``logits_index``)
         need the rest of it: draft-extend and prefill want one row per request of several."""
-        x = self.fuse(batch.input_ids, features)
         keep = batch.logits_index
         attention = batch.attention if keep is None else batch.attention.at_queries(keep)
-        x = self.layer(x, self.rotary.at(batch.positions, x.dtype), attention,
-                       batch.out_slots, kv, keep)
-        return self.predict(x)
+        return self.compute(batch.input_ids, features, batch.positions, attention,
+                            batch.out_slots, kv, keep)
 
     @classmethod
     def load(cls, path: Path, target: LlamaForCausalLM, dtype: torch.dtype,

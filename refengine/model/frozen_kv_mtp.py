@@ -38,10 +38,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from refengine.memory.kv_pool import KVPool
 from refengine.model.attention import AttentionMetadata, paged_attention
 from refengine.model.configs import MTP_ARCHITECTURE, FrozenKVMTPConfig
-from refengine.model.llama import LlamaForCausalLM, RMSNorm, RopeAt, Rotary, SwiGLU
+from refengine.model.llama import KVCache, LlamaForCausalLM, RMSNorm, RopeAt, Rotary, SwiGLU
 from refengine.model.loader import (
     DRAFT_FILES,
     check_state_dict,
@@ -108,8 +107,15 @@ class FrozenKVMTPDraftModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                attention: AttentionMetadata, kv: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafting iteration for n rows -> (logits [n, vocab] float32, next hidden [n, H]).
+                attention: AttentionMetadata, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """``compute`` in inference mode."""
+        return self.compute(input_ids, hidden, positions, attention, kv)
+
+    def compute(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                attention: AttentionMetadata, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting iteration for n rows -> (logits [n, vocab] float32, next hidden [n, H]),
+        without ``forward``'s inference-mode switch (which a compiled region cannot trace):
+        what the eager forward and the draft loop's graph both run.
 
         ``input_ids`` [n]: each row's token; ``hidden`` [n, H]: the target's feature at the
         position that produced it (first iteration) or the previous ``next hidden``;

@@ -11,7 +11,7 @@ late is the mode (``modes.py``: sequential, overlap).
 The worker owns the batch's draft state (``DraftState``), which follows the batch through
 finish, abort and retraction; when every request finishes inside verify an idle state is
 installed, so the next merge works (bug class all-finish-in-verify). It reads request and KV
-bookkeeping, runs forwards through the ``ModelRunner`` and writes KV only into the slots the
+bookkeeping, runs forwards through the ``Runner`` and writes KV only into the slots the
 scheduler reserved (``reservation``).
 """
 
@@ -30,12 +30,11 @@ from refengine.memory.manager import KVManager
 from refengine.memory.reservation import DecodeReservation
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
-from refengine.runner import ModelRunner
+from refengine.runner import Runner
 from refengine.speculative.accept import VerifyOutcome, accept
 from refengine.speculative.draft_search import LoopOutput
 from refengine.speculative.draft_state import DraftState, RowState
-from refengine.speculative.drafter import Drafter, DraftStep
-from refengine.speculative.eagle import EagleDrafter
+from refengine.speculative.drafter import Drafter, DraftStep, ExtendForward
 from refengine.speculative.inputs import DraftExtendInput, VerifyInput
 from refengine.speculative.modes import Overlap, Sequential, StepMode
 from refengine.speculative.tree import ChainTree, verify_input
@@ -49,7 +48,7 @@ if TYPE_CHECKING:
 class SpeculativeWorker:
     draft_state_class: type[DraftState] = DraftState  # an extension point (the bug zoo)
 
-    def __init__(self, spec: SpecConfig, runner: ModelRunner, kv: KVManager,
+    def __init__(self, spec: SpecConfig, runner: Runner, kv: KVManager,
                  clock: PhaseClock, drafter: Drafter[Any]) -> None:
         self.spec = spec
         self.runner = runner
@@ -230,8 +229,8 @@ class SpeculativeWorker:
 
     def eager_extend(self, reqs: list[Req], accepted: DraftExtendInput
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """EAGLE's draft-extend forward, eager (what the graph probe compares)."""
-        return self._eagle().eager_extend(self.draft_step(reqs), accepted)
+        """The drafter's draft-extend forward, eager (what the graph probe compares)."""
+        return self._extend_forward().eager_extend(self.draft_step(reqs), accepted)
 
     def graph_extend(self, reqs: list[Req], accepted: DraftExtendInput,
                      graph: DraftLoopGraph | None = None
@@ -241,9 +240,10 @@ class SpeculativeWorker:
         graph = graph or self.runner.draft_extend
         if graph is None:
             return None
-        return self._eagle().graph_extend(self.draft_step(reqs), accepted, graph)
+        return self._extend_forward().graph_extend(self.draft_step(reqs), accepted, graph)
 
-    def _eagle(self) -> EagleDrafter:
-        if not isinstance(self.drafter, EagleDrafter):
+    def _extend_forward(self) -> ExtendForward:
+        forward = self.drafter.extend_forward
+        if forward is None:
             raise TypeError(f"{type(self.drafter).__name__} has no draft-extend forward")
-        return self.drafter
+        return forward

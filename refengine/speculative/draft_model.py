@@ -37,7 +37,7 @@ from refengine.config import SpecConfig
 from refengine.device import from_host
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
-from refengine.runner import ModelRunner
+from refengine.runner import Runner
 from refengine.speculative.draft_search import LoopOutput, chain_search
 from refengine.speculative.drafter import DraftStep
 from refengine.speculative.inputs import CatchUpInput, DraftExtendInput
@@ -48,8 +48,9 @@ if TYPE_CHECKING:
 
 class DraftModelDrafter:
     scratch_positions = 0  # the draft's KV goes into the verify block
+    extend_forward = None  # no draft-extend forward of its own
 
-    def __init__(self, spec: SpecConfig, runner: ModelRunner) -> None:
+    def __init__(self, spec: SpecConfig, runner: Runner) -> None:
         self.spec = spec
         self.runner = runner
 

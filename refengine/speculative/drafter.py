@@ -4,7 +4,7 @@ A drafter proposes the tokens a decode step verifies and keeps per-request state
 (a ``RowState``: EAGLE's ``DraftInput``, Frozen-KV MTP's ``SeedInput``, a standalone draft
 model's ``CatchUpInput``, n-gram lookup's ``NgramInput``); the core (``SpeculativeWorker``) owns
 that state's rows, the verify forward, the accept rule and the overlap mode. A drafter runs
-forwards only through the ``ModelRunner`` and writes KV only into the reserved slots a
+forwards only through the ``Runner`` and writes KV only into the reserved slots a
 ``DraftStep`` hands it.
 """
 
@@ -49,10 +49,29 @@ class DraftStep:
         return from_host(self.roots, self.device)
 
 
+class ExtendForward(Protocol):
+    """A draft-extend forward of its own, eager and replayed on a graph (EAGLE's head over
+    the accepted positions): what the graph probe compares."""
+
+    def eager_extend(self, step: DraftStep, accepted: DraftExtendInput
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward over the accepted positions -> (logits, predicted features) at each
+        request's last one."""
+
+    def graph_extend(self, step: DraftStep, accepted: DraftExtendInput, graph: DraftLoopGraph
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``eager_extend`` replayed by ``graph``; None when it does not take the batch."""
+
+
 class Drafter(Protocol[State]):
     @property
     def scratch_positions(self) -> int:
         """Draft KV positions past the root a step writes besides the verify block."""
+
+    @property
+    def extend_forward(self) -> ExtendForward | None:
+        """The drafter's draft-extend forward, where its ``extend`` runs one (None: it
+        extends without a forward of its own)."""
 
     def idle(self) -> State:
         """A state with zero rows (what a batch with no decoding request holds)."""

@@ -22,9 +22,9 @@ from refengine.config import SpecConfig
 from refengine.device import from_host
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
-from refengine.runner import ModelRunner
+from refengine.runner import Runner
 from refengine.speculative.draft_search import DraftForward, LoopOutput, search, top_k
-from refengine.speculative.drafter import DraftStep
+from refengine.speculative.drafter import DraftStep, ExtendForward
 from refengine.speculative.inputs import DraftExtendInput, DraftInput
 
 if TYPE_CHECKING:
@@ -32,13 +32,17 @@ if TYPE_CHECKING:
 
 
 class EagleDrafter:
-    def __init__(self, spec: SpecConfig, runner: ModelRunner) -> None:
+    def __init__(self, spec: SpecConfig, runner: Runner) -> None:
         self.spec = spec
         self.runner = runner
 
     @property
     def scratch_positions(self) -> int:
         return self.spec.topk * (self.spec.num_steps - 1)
+
+    @property
+    def extend_forward(self) -> ExtendForward:
+        return self
 
     def idle(self) -> DraftInput:
         target = self.runner.target

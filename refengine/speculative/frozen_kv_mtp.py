@@ -30,7 +30,7 @@ from refengine.config import SpecConfig
 from refengine.device import from_host
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
-from refengine.runner import ModelRunner
+from refengine.runner import Runner
 from refengine.speculative.draft_search import LoopOutput, search, top_k
 from refengine.speculative.drafter import DraftStep
 from refengine.speculative.inputs import DraftExtendInput, SeedInput
@@ -41,8 +41,9 @@ if TYPE_CHECKING:
 
 class FrozenKVMTPDrafter:
     scratch_positions = 0  # the assistant writes no KV
+    extend_forward = None  # no draft-extend forward of its own
 
-    def __init__(self, spec: SpecConfig, runner: ModelRunner) -> None:
+    def __init__(self, spec: SpecConfig, runner: Runner) -> None:
         self.spec = spec
         self.runner = runner
 

@@ -25,8 +25,8 @@ Shapes (``b`` requests, ``k`` = topk, ``N`` = num_draft_tokens incl. the root, `
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Self
+from dataclasses import Field, dataclass, fields, replace
+from typing import ClassVar, Self
 
 import torch
 
@@ -41,28 +41,35 @@ class _PerRequestRows:
     """A dataclass whose every field holds one row per request: filtered and merged together,
     so the state follows the batch through finish, abort, retraction and admission."""
 
+    # Set by ``@dataclass`` on every subclass; declared so ``fields`` and ``replace`` take it.
+    __dataclass_fields__: ClassVar[dict[str, Field[torch.Tensor]]]
+
+    def columns(self) -> dict[str, torch.Tensor]:
+        """Every field by name, in declaration order."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
     def __post_init__(self) -> None:
-        sizes = {f.name: getattr(self, f.name).shape[0] for f in fields(self)}  # type: ignore
+        sizes = {name: t.shape[0] for name, t in self.columns().items()}
         if len(set(sizes.values())) > 1:
             raise ValueError(f"{type(self).__name__}: fields disagree on the row count {sizes}")
 
     @property
     def batch_size(self) -> int:
-        return int(getattr(self, fields(self)[0].name).shape[0])  # type: ignore[arg-type]
+        return int(next(iter(self.columns().values())).shape[0])
 
     @property
     def device(self) -> torch.device:
-        return getattr(self, fields(self)[0].name).device  # type: ignore[arg-type]
+        return next(iter(self.columns().values())).device
 
     def filter_batch(self, keep: torch.Tensor) -> Self:
         """Rows ``keep`` (int64 indices, in the new batch order), every tensor together."""
-        return type(self)(**{f.name: _rows(getattr(self, f.name), keep)
-                             for f in fields(self)})  # type: ignore[arg-type]
+        return replace(self, **{name: _rows(t, keep) for name, t in self.columns().items()})
 
     def merge_batch(self, other: Self) -> Self:
         """This batch's rows followed by ``other``'s."""
-        return type(self)(**{f.name: torch.cat([getattr(self, f.name), getattr(other, f.name)])
-                             for f in fields(self)})  # type: ignore[arg-type]
+        theirs = other.columns()
+        return replace(self, **{name: torch.cat([t, theirs[name]])
+                                for name, t in self.columns().items()})
 
 
 @dataclass

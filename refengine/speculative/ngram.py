@@ -34,7 +34,7 @@ from refengine.config import NGRAM_MAX, NGRAM_MIN, SpecConfig
 from refengine.device import from_host
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
-from refengine.runner import ModelRunner
+from refengine.runner import Runner
 from refengine.speculative.draft_search import LoopOutput
 from refengine.speculative.drafter import DraftStep
 from refengine.speculative.inputs import DraftExtendInput, NgramInput
@@ -46,8 +46,9 @@ if TYPE_CHECKING:
 
 class NgramDrafter:
     scratch_positions = 0  # no draft forward writes KV
+    extend_forward = None  # no draft-extend forward of its own
 
-    def __init__(self, spec: SpecConfig, runner: ModelRunner) -> None:
+    def __init__(self, spec: SpecConfig, runner: Runner) -> None:
         self.spec = spec
         self.device = runner.device
         # Every position a context can reach: a root stays below the context limit, and a

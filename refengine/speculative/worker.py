@@ -4,7 +4,7 @@ The engine schedules, launches and resolves; a worker owns everything specific t
 decoding: its draft state between steps (which follows the batch through finish, abort and
 retraction), the KV a decode step holds past each request's committed end (the scheduler
 reserves it), what it does after a target prefill, and the decode step itself. It runs
-forwards only through the ``ModelRunner``, writes KV tensors only into slots it was given and
+forwards only through the ``Runner``, writes KV tensors only into slots it was given and
 never writes request or KV bookkeeping: ``Scheduler`` allocates, ``OutputProcessor.resolve``
 commits (``tests/test_kv_writer_rule.py``). The reference implementation is
 ``speculative/core.py``.

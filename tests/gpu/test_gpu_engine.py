@@ -13,8 +13,8 @@ import torch
 from conformance.checks.oracle import NEAR_TIE_EPSILON, ReferenceOracle
 from conformance.plan.specs import SPECS
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
-from refengine.graph import GraphRunner
 from refengine.graph.cuda_graph import CudaGraphExecutor, CudaGraphs
+from refengine.graph.runner import GraphRunner
 
 pytestmark = [
     pytest.mark.gpu,

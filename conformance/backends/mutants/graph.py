@@ -10,10 +10,11 @@ from typing import Any
 import torch
 
 from refengine import Engine
-from refengine.graph.draft_loop import DraftLoopGraph, LoopStaging
-from refengine.graph.executors import GraphKey
+from refengine.graph.draft_loop import DraftLoopGraph
+from refengine.graph.loop_staging import LoopStaging
 from refengine.graph.runner import GraphBatch, GraphRunner
 from refengine.graph.staging import DUMMY_SLOT, StagedViews, Staging, StepInputs
+from refengine.graph.target import GraphKey
 from refengine.model.llama import ForwardBatch
 
 # --- graph runner -------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
+from functools import cached_property
 from typing import ClassVar
 
 import torch
@@ -35,9 +36,10 @@ class _ResidualIsP(SpeculativeWorker):
     records each draft tree per root sequence in ``trees`` so the distribution tier can derive
     this mutant's exact output distribution (its negative-control power)."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.trees: dict[tuple[int, ...], Counter[DraftTree]] = {}
+    @cached_property
+    def trees(self) -> dict[tuple[int, ...], Counter[DraftTree]]:
+        """The draft trees verified so far, per root sequence (this instance's own)."""
+        return {}
 
     def sample_path(self, req: Req, verify_input: VerifyInput, row: int, probs: torch.Tensor
                     ) -> SampledPath:

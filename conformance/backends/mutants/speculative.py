@@ -13,11 +13,10 @@ from conformance.backends.mutants.lifecycle import _finish_reason_without
 from conformance.backends.mutants.tables import with_draft, with_drafter
 from refengine import Engine
 from refengine.graph.draft_loop import DraftLoopGraph
-from refengine.memory.kv_pool import KVPool
 from refengine.memory.manager import KVManager
 from refengine.model.attention import AttentionMetadata
 from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
-from refengine.model.llama import ForwardBatch
+from refengine.model.llama import ForwardBatch, KVCache
 from refengine.output import OutputProcessor
 from refengine.request import FinishReason, Req
 from refengine.runner import ModelRunner
@@ -51,6 +50,7 @@ class _LeavesVerifyInput(SpeculativeWorker):
         if reqs:
             super().install_next(reqs, extend_input)
             return
+        # the bug itself is a type error: a verify input installed as per-request state
         self.draft_state.install([], self.last_verify_input)  # type: ignore[arg-type]
 
 
@@ -62,9 +62,9 @@ class AllFinishLeavesVerifyInput(Engine):
 
 
 class _DraftWritesTargetKV(FrozenKVMTPDraftModel):
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                attention: AttentionMetadata, kv: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
-        out = super().forward(input_ids, hidden, positions, attention, kv)
+    def compute(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                attention: AttentionMetadata, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        out = super().compute(input_ids, hidden, positions, attention, kv)
         # BUG: the assistant stores its iteration at its query position, as a decoder layer
         # with a cache of its own would, but into the target's pool it only may read.
         slots = attention.kv_slots.gather(1, positions[:, None].clamp(

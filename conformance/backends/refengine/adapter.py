@@ -15,9 +15,16 @@ ENGINE_LIMITS = ("kv_pool_tokens", "page_size", "max_running_requests", "max_pre
 
 class RefEngineHandle:
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+        self._engine: Engine | None = engine
         self._hooks: RefEngineWorkerHooks | None = None
         self._probe: RefGraphProbe | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """The engine this handle drives, until ``close``."""
+        if self._engine is None:
+            raise RuntimeError("the handle is closed")
+        return self._engine
 
     def worker_hooks(self) -> RefEngineWorkerHooks:
         """Phase traces and forced verify outcomes (capability ``worker_hooks``)."""
@@ -56,7 +63,7 @@ class RefEngineHandle:
         return self.engine.in_flight()
 
     def close(self) -> None:
-        self.engine = None  # type: ignore[assignment]  # drop the model and KV pool
+        self._engine = None  # drop the model and KV pool
         self._probe = None
 
 

@@ -7,16 +7,25 @@ engine class is untouched, so a mutant engine is traced just the same.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from conformance.contract.worker_hooks import PhaseRecord
+from refengine import Engine
+from refengine.request import Req
 from refengine.speculative.accept import VerifyOutcome
+from refengine.speculative.core import SpeculativeWorker
+from refengine.speculative.draft_state import RowState
+from refengine.speculative.inputs import DraftExtendInput, VerifyInput
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
-def describe(phase: str, obj: Any, rids: tuple[str, ...] = ()) -> PhaseRecord:
+def describe(phase: str, obj: DataclassInstance, rids: tuple[str, ...] = ()) -> PhaseRecord:
     shapes, dtypes = {}, {}
     for f in fields(obj):
         value = getattr(obj, f.name)
@@ -26,9 +35,14 @@ def describe(phase: str, obj: Any, rids: tuple[str, ...] = ()) -> PhaseRecord:
     return PhaseRecord(phase, type(obj).__name__, shapes, dtypes, rids)
 
 
+def shadow(obj: object, name: str, method: Callable[..., object]) -> None:
+    """Replace ``obj``'s method ``name`` on this instance alone (its class stays untouched)."""
+    setattr(obj, name, method)
+
+
 @dataclass
 class RefEngineWorkerHooks:
-    engine: Any
+    engine: Engine
     trace: list[PhaseRecord] = field(default_factory=list)
     forced: dict[str, int] = field(default_factory=dict)
 
@@ -36,39 +50,44 @@ class RefEngineWorkerHooks:
         worker = self.engine.worker
         if worker is None:
             raise ValueError("worker hooks need a speculative engine (spec=None given)")
+        if not isinstance(worker, SpeculativeWorker):
+            raise TypeError(f"worker hooks trace a SpeculativeWorker, not "
+                            f"{type(worker).__name__}")
         state = worker.draft_state
         draft, verify, extend = worker.draft, worker.verify, worker.extend_input
         add, install = state.add, state.install
 
-        def traced_draft(reqs, draft_input):  # type: ignore[no-untyped-def]
+        def traced_draft(reqs: list[Req], draft_input: RowState) -> VerifyInput:
             verify_input = draft(reqs, draft_input)
             self.trace.append(describe("draft", verify_input, tuple(r.rid for r in reqs)))
             return verify_input
 
-        def traced_verify(reqs, verify_input):  # type: ignore[no-untyped-def]
+        def traced_verify(reqs: list[Req], verify_input: VerifyInput) -> VerifyOutcome:
             return self._force(reqs, verify(reqs, verify_input))
 
-        def traced_extend(outcome, keep):  # type: ignore[no-untyped-def]
+        def traced_extend(outcome: VerifyOutcome, keep: list[int]) -> DraftExtendInput:
             accepted = extend(outcome, keep)
             self.trace.append(describe("verify", accepted))
             return accepted
 
-        def traced_add(rids, rows):  # type: ignore[no-untyped-def]
+        def traced_add(rids: list[str], rows: RowState) -> None:
             self.trace.append(describe("prefill", rows, tuple(rids)))
             add(rids, rows)
 
-        def traced_install(rids, draft_input):  # type: ignore[no-untyped-def]
+        def traced_install(rids: list[str], draft_input: RowState) -> None:
             install(rids, draft_input)
             self.trace.append(describe("install", draft_input, tuple(rids)))
 
-        worker.draft, worker.verify, worker.extend_input = traced_draft, traced_verify, \
-            traced_extend
-        state.add, state.install = traced_add, traced_install
+        for obj, name, method in ((worker, "draft", traced_draft),
+                                  (worker, "verify", traced_verify),
+                                  (worker, "extend_input", traced_extend),
+                                  (state, "add", traced_add), (state, "install", traced_install)):
+            shadow(obj, name, method)
 
     def force_accept(self, rid: str, drafts: int) -> None:
         self.forced[rid] = drafts
 
-    def _force(self, reqs: list[Any], outcome: VerifyOutcome) -> VerifyOutcome:
+    def _force(self, reqs: list[Req], outcome: VerifyOutcome) -> VerifyOutcome:
         """Replace a request's path by the tree's first-child chain of the forced length."""
         verify_input = outcome.verify_input
         for i, req in enumerate(reqs):

@@ -38,8 +38,8 @@ EAGLE_DROPPED = ("layers.0.input_layernorm.weight", "norm.weight")
 
 
 def cache_root() -> Path:
-    """specgate's cache directory (``refengine.graph.aot_store.cache_dir``) plus ``vllm``."""
-    from refengine.graph.aot_store import cache_dir  # imports torch: only when converting
+    """specgate's cache directory (``refengine.graph.aot_format.cache_dir``) plus ``vllm``."""
+    from refengine.graph.aot_format import cache_dir  # imports torch: only when converting
 
     return cache_dir() / "vllm"
 
