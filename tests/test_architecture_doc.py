@@ -83,7 +83,6 @@ def test_the_forms_follow_the_docs_convention() -> None:
         "speculative/core.py", "speculative/", "memory/", "a", "b"}
 
 
-@pytest.mark.xfail(strict=True, reason="architecture.md rework in progress")
 @pytest.mark.parametrize("package", PACKAGES)
 def test_every_module_is_named_in_the_architecture_doc(package: str) -> None:
     absent = missing(package, DOC.read_text())
