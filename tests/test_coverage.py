@@ -40,7 +40,7 @@ def test_classes_nest_and_say_what_they_lack() -> None:
     checks = [row("algorithm:eagle", "passed"), row("algorithm:eagle,abort", "passed"),
               row("algorithm:eagle,sessions", "not claimed", "not claimed: sessions"),
               row("algorithm:eagle,reference_draft,acceptance_stats", "not claimed",
-                  "not claimed: reference_draft under chain-s3-n4 (converted head)")]
+                  "Skipped: not claimed: reference_draft under chain-s3-n4 (converted head)")]
     cov = coverage(checks, claims)
     assert cov.met == "serving"
     assert cov.missing == {"sessions": 1, "reference_draft": 1}

@@ -97,7 +97,8 @@ def _wanting(row: CheckRow, claimed: Capabilities) -> list[str]:
     lacking = [c for c in row.requires.split(",") if c and not claims(claimed, c)]
     if lacking:
         return lacking
-    said = row.message.removeprefix(f"{NOT_CLAIMED}: ").split(" ", 1)[0]
+    # the row keeps pytest's skip reason as pytest words it: "Skipped: not claimed: flag ..."
+    said = row.message.removeprefix("Skipped: ").removeprefix(f"{NOT_CLAIMED}: ").split(" ", 1)[0]
     return [said.rstrip(",;")] if said else ["?"]
 
 
