@@ -259,9 +259,9 @@ def trap(runner: ModelRunner, graph: GraphRunner, reqs: list[Req], kv_width: int
     def naive(model: LlamaForCausalLM, pool: KVPool, views: StagedViews, table: torch.Tensor,
               max_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
         attention = static_attention(views.rows, views.seq_lens, views.tree_mask, table, max_kv)
-        features = model.features(views.input_ids, views.positions, attention,
-                                  views.out_slots, pool)  # the pool's own indexed writes
-        return model.logits(features), features
+        normed, drafted = model.features(views.input_ids, views.positions, attention,
+                                         views.out_slots, pool)  # the pool's own indexed writes
+        return model.logits(normed), drafted
 
     compiled = torch.compile(naive, fullgraph=True, dynamic=False)
     width = kv_width or runner.kv.rows.table.shape[1]

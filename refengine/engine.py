@@ -34,6 +34,7 @@ from refengine.memory.reservation import PLAIN_DECODE
 from refengine.memory.sessions import SessionStore
 from refengine.memory.view import MemoryView, ceil_page
 from refengine.model.eagle import EagleDraftModel
+from refengine.model.eagle3 import Eagle3DraftModel, EagleHead
 from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
 from refengine.model.llama import LlamaForCausalLM
 from refengine.model.standalone_draft import StandaloneDraftModel
@@ -53,7 +54,8 @@ from refengine.speculative.worker import SpecWorker
 from refengine.step import StepResult
 
 Prompt = str | Sequence[int]
-DraftClass = type[EagleDraftModel] | type[FrozenKVMTPDraftModel] | type[StandaloneDraftModel]
+DraftClass = (type[EagleDraftModel] | type[Eagle3DraftModel] | type[FrozenKVMTPDraftModel]
+              | type[StandaloneDraftModel])
 DrafterClass = Callable[[SpecConfig, Runner], Drafter[Any]]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,7 +63,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def draft_kv_layers(draft: torch.nn.Module | None) -> int:
     """Layers of the draft pool beside the target's KV: EAGLE's head and a standalone draft
     model keep KV of their own; a frozen-KV draft only reads the target's."""
-    if isinstance(draft, EagleDraftModel):
+    if isinstance(draft, EagleHead):
         return len(draft.layers)
     if isinstance(draft, StandaloneDraftModel):
         return draft.kv_layers
@@ -88,10 +90,11 @@ class Engine:
     # drafter of each algorithm it composes with, and the draft model of those that have one.
     worker_class: type[SpeculativeWorker] = SpeculativeWorker
     drafter_classes: ClassVar[dict[str, DrafterClass]] = {
-        "eagle": EagleDrafter, "frozen_kv_mtp": FrozenKVMTPDrafter,
+        "eagle": EagleDrafter, "eagle3": EagleDrafter, "frozen_kv_mtp": FrozenKVMTPDrafter,
         "draft_model": DraftModelDrafter, "ngram": NgramDrafter}
     draft_classes: ClassVar[dict[str, DraftClass]] = {
-        "eagle": EagleDraftModel, "frozen_kv_mtp": FrozenKVMTPDraftModel,
+        "eagle": EagleDraftModel, "eagle3": Eagle3DraftModel,
+        "frozen_kv_mtp": FrozenKVMTPDraftModel,
         "draft_model": StandaloneDraftModel}
     output_class: type[OutputProcessor] = OutputProcessor
 
@@ -110,6 +113,8 @@ class Engine:
             draft = self.draft_classes[spec.algorithm].load(
                 resolve_model_dir(spec.draft_model), self.model, _DTYPES[config.dtype],
                 config.device)
+        if isinstance(draft, Eagle3DraftModel):  # the target's forward fuses the head's taps
+            self.model.use_feature_tap(draft.tap)
         self.kv = self.kv_manager_class(
             config.kv_pool_tokens, config.page_size, config.max_running_requests,
             self.max_context_len, (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim),

@@ -20,6 +20,7 @@ from refengine.device import from_host
 from refengine.memory.manager import KVManager
 from refengine.model.attention import AttentionMetadata
 from refengine.model.eagle import EagleDraftModel
+from refengine.model.eagle3 import Eagle3DraftModel, EagleHead
 from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
 from refengine.model.llama import ForwardBatch, ForwardOutput, LlamaForCausalLM
 from refengine.model.standalone_draft import StandaloneDraftModel
@@ -29,7 +30,7 @@ from refengine.speculative.inputs import DraftExtendInput, VerifyInput
 if TYPE_CHECKING:
     from refengine.graph.draft_loop import DraftLoopGraph
 
-DraftNet = EagleDraftModel | FrozenKVMTPDraftModel | StandaloneDraftModel
+DraftNet = EagleDraftModel | Eagle3DraftModel | FrozenKVMTPDraftModel | StandaloneDraftModel
 
 
 class Runner(Protocol):
@@ -198,7 +199,7 @@ class ModelRunner:
     def forward_draft(self, batch: ForwardBatch, features: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (logits of the wanted rows, the head's predicted features)."""
-        assert isinstance(self.draft, EagleDraftModel) and self.kv.draft_pool is not None
+        assert isinstance(self.draft, EagleHead) and self.kv.draft_pool is not None
         return self.draft(batch, features, self.kv.draft_pool)
 
     def forward_draft_model(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

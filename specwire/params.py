@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 # SpecConfig.algorithm's values
-SPEC_ALGORITHMS = ("eagle", "frozen_kv_mtp", "draft_model", "ngram")
+SPEC_ALGORITHMS = ("eagle", "eagle3", "frozen_kv_mtp", "draft_model", "ngram")
 # The n-gram window: an ``ngram`` config looks up the context's last n tokens for n from
 # NGRAM_MAX down to NGRAM_MIN (vLLM's prompt_lookup_max/min). Fixed by the wire rather than
 # SpecConfig fields, so every other config serialises as before (golden traces and repro files
@@ -93,12 +93,14 @@ class SpecConfig:
     a chain (``topk == 1``) therefore needs ``num_draft_tokens == num_steps + 1``.
     ``algorithm="draft_model"`` (a standalone draft LM, e.g. ``tiny-code-draft``) drafts such a
     chain of ``num_steps`` tokens and runs sequentially (no overlap scheduling).
+    ``algorithm="eagle3"`` drafts as EAGLE does (chains and trees, either scheduling) with an
+    EAGLE-3 head (e.g. ``tiny-code-eagle3``), which reads several of the target's layers.
     ``algorithm="ngram"`` (prompt lookup: the tokens that followed the latest earlier occurrence
     of the context's last ``NGRAM_MAX``..``NGRAM_MIN`` tokens) drafts a chain with no model:
     ``draft_model`` is ignored and stored as ``""``.
     """
 
-    algorithm: Literal["eagle", "frozen_kv_mtp", "draft_model", "ngram"] = "eagle"
+    algorithm: Literal["eagle", "eagle3", "frozen_kv_mtp", "draft_model", "ngram"] = "eagle"
     draft_model: str = "tiny-code-eagle"
     num_steps: int = 3
     topk: int = 1

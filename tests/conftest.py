@@ -7,15 +7,19 @@ on it; ``transformers`` loads the same directory as the outside oracle.
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO / "fixtures" / "tokenizer"
+BUILD_PY = REPO / "fixtures" / "build.py"
 
 RANDOM_VOCAB = 2048
 RANDOM_CONTEXT = 512
@@ -143,3 +147,17 @@ def spec_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("spec-pair")
     target = build_random_model(root / "target", layers=1, seed=1)
     return target, build_mimic_eagle(target, root / "eagle")
+
+
+@pytest.fixture(scope="session")
+def build() -> ModuleType:
+    """fixtures/build.py as a module (a script in the checkout, not a package member): its
+    training modules are what the runtime heads are checked against."""
+    if not BUILD_PY.is_file():
+        pytest.skip("fixtures/build.py is not shipped in an installed wheel")
+    spec = importlib.util.spec_from_file_location("specgate_fixture_build", BUILD_PY)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their annotations through it
+    spec.loader.exec_module(module)
+    return module

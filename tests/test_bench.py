@@ -292,3 +292,70 @@ def test_a_cpu_bench_counts_steps_and_records_no_device_figures(random_model_dir
         assert (t.device_seconds, t.held_gpu_bytes, t.peak_gpu_bytes) == (None, None, None)
     assert result.rows[0].results["refengine"].capture_seconds is None
     assert result.rows[0].results["refengine+replay"].capture_seconds is not None
+
+
+def test_eagle3_lanes_sit_beside_eagle_at_each_shape() -> None:
+    """``--spec eagle3`` / ``eagle3-tree``: each EAGLE-3 configuration follows its EAGLE twin
+    (the EAGLE-1 head at the same shape), so the two heads' tau are read side by side."""
+    for spec, shapes in (("eagle3", ["chain-s3-n4", "chain-s5-n6"]),
+                         ("eagle3-tree", ["tree-s3-k4-n8", "tree-s5-k8-n16"])):
+        lanes = bench_lanes.lanes_for(spec, ["refengine"])
+        assert [ln.label for ln in lanes] == ["plain", *(label for shape in shapes
+                                                         for label in (shape, f"eagle3-{shape}"))]
+        assert [(ln.spec.algorithm, ln.spec.draft_model) for ln in lanes[1:] if ln.spec] == [
+            ("eagle", "tiny-code-eagle"), ("eagle3", "tiny-code-eagle3")] * 2
+
+
+def test_draft_model_overrides_the_specs_own_lanes_not_their_eagle_twins() -> None:
+    """``--draft-model`` names the spec's own head: an EAGLE-3 head (or an MTP assistant) is
+    no EAGLE-1 head, so the twins keep theirs; n-gram lookup reads no model, so there the flag
+    names its twins' head."""
+    def drafts(spec: str, draft: str) -> list[tuple[str, str]]:
+        lanes = bench_lanes.with_draft_model(bench_lanes.lanes_for(spec, ["refengine"]), draft,
+                                             spec)
+        return [(ln.label, ln.spec.draft_model) for ln in lanes if ln.spec is not None]
+
+    assert drafts("eagle3", "other-eagle3")[:2] == [("chain-s3-n4", "tiny-code-eagle"),
+                                                    ("eagle3-chain-s3-n4", "other-eagle3")]
+    assert drafts("mtp", "other-mtp")[:2] == [("chain-s3-n4", "tiny-code-eagle"),
+                                              ("mtp-chain-s3-n4", "other-mtp")]
+    assert drafts("ngram", "other-eagle")[:2] == [("chain-s3-n4", "other-eagle"),
+                                                  ("ngram-n4", "")]
+    assert {d for _, d in drafts("eagle-v2", "other-eagle")} == {"other-eagle"}
+
+
+def test_chain_lanes_follow_each_backends_eagle3_claim() -> None:
+    """``--spec chains``: EAGLE-3's chains right after EAGLE's, on every backend claiming
+    ``eagle3`` and no other, drafting with the spec's own head whatever the EAGLE lanes' head;
+    a backend claiming ``graph_runner`` adds a graph twin of each."""
+    claims = {"refengine": {"none", "eagle", "eagle3"}, "vllm": {"none", "eagle", "eagle3"},
+              "hf": {"none"}}
+    lanes = bench_lanes.chain_lanes(["refengine", "vllm", "hf"], lambda b, a: a in claims[b],
+                                    "some-eagle-head")
+    assert [(ln.backend, ln.label) for ln in lanes][3:] == [
+        ("refengine", "chain-s3-n4"), ("vllm", "chain-s3-n4"),
+        ("refengine", "chain-s5-n6"), ("vllm", "chain-s5-n6"),
+        ("refengine", "eagle3-chain-s3-n4"), ("vllm", "eagle3-chain-s3-n4"),
+        ("refengine", "eagle3-chain-s5-n6"), ("vllm", "eagle3-chain-s5-n6")]
+    assert {ln.spec.draft_model for ln in lanes if ln.spec and ln.spec.algorithm == "eagle3"} \
+        == {"tiny-code-eagle3"}
+    without = bench_lanes.chain_lanes(["vllm"], lambda b, a: a in {"none", "eagle"})
+    assert not any(ln.spec and ln.spec.algorithm == "eagle3" for ln in without)
+    graphs = bench_lanes.with_graph_lanes(lanes, "aot", lambda b: b == "refengine")
+    assert [ln.label for ln in graphs if ln.backend == "refengine"][-2:] == [
+        "eagle3-chain-s5-n6", "eagle3-chain-s5-n6+aot"]
+
+
+def test_an_eagle3_bench_reports_both_heads_tau() -> None:
+    """The bundled target with ``tiny-code-eagle3`` beside ``tiny-code-eagle``: every
+    speculative lane drafts and reports tau and per-position acceptance."""
+    result = run_bench(["refengine"], [1], 4, "eagle3", Recorder())
+    assert result.backends == ["plain", "chain-s3-n4", "eagle3-chain-s3-n4", "chain-s5-n6",
+                               "eagle3-chain-s5-n6"]
+    timings = result.rows[0].results
+    assert timings["plain"].tau is None
+    for label in result.backends[1:]:
+        assert timings[label].tau is not None and timings[label].tau >= 1.0
+        assert timings[label].per_position_acceptance
+        assert timings[label].total_tokens == 4
+    assert "batch   1 eagle3-chain-s3-n4: tau " in format_table(result)

@@ -230,9 +230,10 @@ def test_the_command_prints_the_table_and_writes_the_json(
     assert code == 0
     assert seen[:4] == [("refengine", "plain", None), ("refengine", "plain+replay", None),
                         ("hf", "plain", None), ("refengine", "chain-s3-n4", SHARED_EAGLE_HEAD)]
-    assert ("hf", "draft-n6", "tiny-code-draft") in seen and len(seen) == 7 + 7 + 3
+    assert ("hf", "draft-n6", "tiny-code-draft") in seen and len(seen) == 9 + 9 + 3
+    assert ("refengine", "eagle3-chain-s3-n4+replay", "tiny-code-eagle3") in seen
     assert "batch 1: refengine's best lane plain (10.0 tok/s) = 1.00x hf's best lane " \
         "plain (10.0 tok/s)" in out
     data = json.loads(target.read_text())
-    assert data["reference"] == "refengine" and len(data["runs"]) == 17
+    assert data["reference"] == "refengine" and len(data["runs"]) == 21
     assert data["runs"][0]["result"]["rows"][0]["results"]["plain"]["outputs"] == [[1, 2]]

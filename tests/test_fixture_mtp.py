@@ -6,10 +6,8 @@ refengine's runtime class, that class computes what the training module in
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -23,26 +21,11 @@ from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
 from refengine.model.llama import ForwardBatch, LlamaForCausalLM
 from refengine.model.loader import load_weights
 
-REPO = Path(__file__).resolve().parents[1]
-BUILD_PY = REPO / "fixtures" / "build.py"
 PROMPT_LEN = 40
 SLOTS = 96
 SEQ_LENS = [1, 2, 9, 23, PROMPT_LEN]  # committed lengths of the draft rows, one request each
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def build() -> ModuleType:
-    """fixtures/build.py as a module (a script in the checkout, not a package member)."""
-    if not BUILD_PY.is_file():
-        pytest.skip("fixtures/build.py is not shipped in an installed wheel")
-    spec = importlib.util.spec_from_file_location("specgate_fixture_build", BUILD_PY)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their annotations through it
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

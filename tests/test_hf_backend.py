@@ -26,6 +26,7 @@ from conformance.contract import (
     SamplingParams,
     SpecConfig,
     TokenEvent,
+    unclaimed_reasons,
 )
 from refengine.data import fixtures_root
 
@@ -108,6 +109,14 @@ def test_identity_and_capabilities() -> None:
     assert caps.sampling and caps.acceptance_stats and caps.reference_draft
     assert not any(caps.claims(flag) for flag in
                    ("stepwise", "abort", "sessions", "memory_view", "tree", "overlap"))
+
+
+def test_unclaimed_algorithms_say_why() -> None:
+    """The certificate's reasons for what hf does not claim: valid keys, none claimed, one
+    line each, EAGLE-3 among them (transformers has no such head)."""
+    reasons = unclaimed_reasons(backend())  # raises on a claimed or unknown key
+    assert set(reasons) == {"algorithm:ngram", "algorithm:eagle3"}
+    assert "no EAGLE-3 head" in reasons["algorithm:eagle3"]
 
 
 def test_registry_resolves_hf() -> None:

@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 
 import pytest
 
 from conformance.backends import vllm as vllm_pkg
 from conformance.backends.vllm import layout
-from conformance.contract import FinishEvent, OpenConfig, Request, TokenEvent, unclaimed_reasons
+from conformance.contract import (
+    FinishEvent,
+    OpenConfig,
+    Request,
+    TokenEvent,
+    unclaimed_reasons,
+    unclaimed_under,
+)
 from refengine.data import resolve_model_dir
 from specwire import SamplingParams, SpecConfig
 
@@ -83,6 +91,37 @@ def test_eagle_conversion_refuses_a_non_eagle_dir(tmp_path, monkeypatch):
         layout.eagle_dir(resolve_model_dir("tiny-code-draft"))
 
 
+def test_eagle3_head_is_passed_as_it_is():
+    head = resolve_model_dir("tiny-code-eagle3")
+    assert layout.eagle3_dir(head) == head
+    assert layout.eagle3_variants(head) == []
+    for other in ("tiny-code-eagle", "tiny-code-draft"):
+        with pytest.raises(ValueError, match=r"^draft_model: .* is not an EAGLE-3 head"):
+            layout.eagle3_dir(resolve_model_dir(other))
+
+
+def _eagle3_config(tmp_path, **changes):
+    config = json.loads((resolve_model_dir("tiny-code-eagle3") / "config.json").read_text())
+    config.update(changes)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+@pytest.mark.parametrize("changes,named", [
+    ({"norm_before_residual": True}, ["norm_before_residual"]),
+    ({"norm_output": True, "fc_norm": True}, ["norm_output", "fc_norm"]),
+    ({"eagle_config": {"use_aux_hidden_state": False, "norm_before_fc": True}},
+     ["eagle_config.norm_before_fc", "eagle_config.use_aux_hidden_state"]),
+    ({"eagle_aux_hidden_state_layer_ids": None,
+      "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 5, 9]}},
+     ["eagle_config.eagle_aux_hidden_state_layer_ids"]),
+    ({"norm_output": False, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 6, 11]}},
+     []),   # defaults spelled out, and taps vLLM reads at the top level first
+], ids=["residual", "output-fc", "eagle-config", "nested-taps", "plain"])
+def test_eagle3_variants_vllm_reads_and_refengine_does_not(tmp_path, changes, named):
+    assert layout.eagle3_variants(_eagle3_config(tmp_path, **changes)) == named
+
+
 def test_cache_root_follows_specgate_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECGATE_CACHE_DIR", str(tmp_path / "c"))
     assert layout.cache_root() == tmp_path / "c" / "vllm"
@@ -140,7 +179,9 @@ def test_capabilities_and_reasons_are_consistent(vllm_backend):
     SpecConfig(algorithm="draft_model", draft_model="tiny-code-draft", num_steps=3, topk=1,
                num_draft_tokens=4),
     SpecConfig(algorithm="ngram", num_steps=3, topk=1, num_draft_tokens=4),
-], ids=["plain", "eagle", "draft_model", "ngram"])
+    SpecConfig(algorithm="eagle3", draft_model="tiny-code-eagle3", num_steps=3, topk=1,
+               num_draft_tokens=4),
+], ids=["plain", "eagle", "draft_model", "ngram", "eagle3"])
 def test_greedy_equals_reference(vllm_backend, oracle, spec, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECGATE_CACHE_DIR", str(tmp_path))
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -188,9 +229,15 @@ def test_abort_stop_token_and_refusals(vllm_backend, oracle):
 
 @needs_vllm
 def test_refuses_what_it_cannot_run(vllm_backend):
-    tree = SpecConfig(algorithm="eagle", num_steps=3, topk=4, num_draft_tokens=8)
-    with pytest.raises(ValueError, match=r"^topk: "):
-        vllm_backend.open(OpenConfig(spec=tree))
+    for algorithm, head in (("eagle", "tiny-code-eagle"), ("eagle3", "tiny-code-eagle3")):
+        tree = SpecConfig(algorithm=algorithm, draft_model=head, num_steps=3, topk=4,
+                          num_draft_tokens=8)
+        with pytest.raises(ValueError, match=r"^topk: "):
+            vllm_backend.open(OpenConfig(spec=tree))
+    wrong_head = SpecConfig(algorithm="eagle3", draft_model="tiny-code-eagle", num_steps=3,
+                            topk=1, num_draft_tokens=4)
+    with pytest.raises(ValueError, match=r"^draft_model: "):
+        vllm_backend.open(OpenConfig(spec=wrong_head))
     mtp = SpecConfig(algorithm="frozen_kv_mtp", draft_model="tiny-code-mtp", num_steps=3,
                      topk=1, num_draft_tokens=4)
     with pytest.raises(ValueError, match=r"^algorithm: "):
@@ -221,6 +268,29 @@ def test_ngram_maps_to_vllm_prompt_lookup():
     assert speculative_config(OpenConfig(spec=spec)) == {
         "method": "ngram", "num_speculative_tokens": 5,
         "prompt_lookup_max": NGRAM_MAX, "prompt_lookup_min": NGRAM_MIN}
+
+
+@needs_vllm
+def test_eagle3_maps_to_vllm_eagle3_with_the_head_as_it_is():
+    from conformance.backends.vllm.engine_config import speculative_config
+
+    spec = SpecConfig(algorithm="eagle3", draft_model="tiny-code-eagle3", num_steps=5, topk=1,
+                      num_draft_tokens=6)
+    assert speculative_config(OpenConfig(spec=spec)) == {
+        "method": "eagle3", "model": str(resolve_model_dir("tiny-code-eagle3")),
+        "num_speculative_tokens": 5}
+
+
+@needs_vllm
+def test_eagle3_golden_tier_applies_unless_the_head_is_a_vllm_variant(vllm_backend, tmp_path):
+    """The bundled EAGLE-3 head drafts in vLLM with refengine's math (reference_draft holds);
+    a head turning on a variant vLLM reads and refengine does not is excepted, by name."""
+    plain = SpecConfig(algorithm="eagle3", draft_model="tiny-code-eagle3", num_steps=3, topk=1,
+                       num_draft_tokens=4)
+    assert unclaimed_under(vllm_backend, plain) == {}
+    variant = _eagle3_config(tmp_path, norm_output=True)
+    reasons = unclaimed_under(vllm_backend, replace(plain, draft_model=str(variant)))
+    assert list(reasons) == ["reference_draft"] and "norm_output" in reasons["reference_draft"]
 
 
 @needs_vllm

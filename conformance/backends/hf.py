@@ -242,7 +242,10 @@ class HFBackend:
 
     def unclaimed_reasons(self) -> dict[str, str]:
         return {"algorithm:ngram": "transformers' prompt lookup decoding is not wired in: "
-                                   "assisted generation runs a draft model only"}
+                                   "assisted generation runs a draft model only",
+                "algorithm:eagle3": "transformers has no EAGLE-3 head (nor a way to hand a "
+                                    "draft head the target's intermediate layers): assisted "
+                                    "generation runs a standalone draft model only"}
 
     def open(self, cfg: OpenConfig) -> HFHandle:
         spec = cfg.spec

@@ -26,9 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "further backends decode plainly beside it)")
     parser.add_argument("--spec", default="none",
                         help=f"{' | '.join(SPECS)} | chains; eagle-v2 runs beside its V1 twins, "
-                             "mtp beside EAGLE at equal N; chains: plain, EAGLE, n-gram and "
-                             "draft-model chains on every backend claiming each, every "
-                             "(backend, lane) in a process of its own, outputs compared")
+                             "eagle3, mtp and ngram beside EAGLE at equal N; chains: plain, "
+                             "EAGLE, EAGLE-3, n-gram and draft-model chains on every backend "
+                             "claiming each, every (backend, lane) in a process of its own, "
+                             "outputs compared")
     parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
     parser.add_argument("--max-new-tokens", type=count, default=64, help="tokens per request")
     parser.add_argument("--model", default="tiny-code", help="fixture name or model directory")
@@ -39,8 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None,
                         help="also write the figures to this file (its directory is created)")
     parser.add_argument("--draft-model", default=None,
-                        help="override the spec configurations' draft model (--spec chains: "
-                             "the EAGLE lanes' head, default tiny-code-eagle-vllm)")
+                        help="override the spec configurations' draft model (their EAGLE "
+                             "twins keep tiny-code-eagle; ngram, which has none: its twins'; "
+                             "--spec chains: the EAGLE lanes' head, default "
+                             "tiny-code-eagle-vllm)")
     add_graphs_argument(parser, GRAPHS_AUTO, "also run each lane of a backend claiming "
                         "graph_runner through its graph runner with this executor, in a lane "
                         "of its own: %(choices)s; auto: the device's fastest (aot on the CPU, "

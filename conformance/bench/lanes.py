@@ -118,8 +118,9 @@ def lanes_for(spec: str, backends: list[str]) -> list[Lane]:
 
 CHAINS = "chains"  # the bench's own --spec: the lanes of ``chain_lanes``, each in its own process
 # ``--spec chains``: plain decoding and the chain configurations of these specs, the
-# algorithms another engine is most likely to run too.
-CHAIN_SPECS = ("eagle", "ngram", "draft-model")
+# algorithms another engine is most likely to run too; EAGLE-3 right after EAGLE, so the two
+# heads' tau sit together.
+CHAIN_SPECS = ("eagle", "eagle3", "ngram", "draft-model")
 # The EAGLE head whose drafts vLLM computes exactly as the reference engine does (vLLM's
 # EAGLE-1 layout, which refengine also runs), so both engines' EAGLE lanes draft alike.
 SHARED_EAGLE_HEAD = "tiny-code-eagle-vllm"
@@ -140,12 +141,30 @@ def chain_lanes(backends: list[str], claims: Callable[[str, str], bool],
             if claims(b, "none" if c is None else c.algorithm)]
 
 
+# Algorithms a spec lane is judged beside EAGLE at the same shape (equal N), and that head.
+EAGLE_TWINNED = ("eagle3", "frozen_kv_mtp", "ngram")
+TWIN_EAGLE_HEAD = "tiny-code-eagle"
+
+
 def twin_of(config: SpecConfig) -> SpecConfig | None:
     """What a configuration is judged beside: overlap scheduling beside its sequential twin,
-    Frozen-KV MTP and n-gram lookup beside EAGLE at the same shape (equal N); None for the
-    rest."""
+    EAGLE-3, Frozen-KV MTP and n-gram lookup beside EAGLE at the same shape (equal N); None for
+    the rest."""
     if config.overlap:
         return replace(config, overlap=False)
-    if config.algorithm in ("frozen_kv_mtp", "ngram"):
-        return replace(config, algorithm="eagle", draft_model="tiny-code-eagle")
+    if config.algorithm in EAGLE_TWINNED:
+        return replace(config, algorithm="eagle", draft_model=TWIN_EAGLE_HEAD)
     return None
+
+
+def with_draft_model(lanes: list[Lane], draft_model: str, spec: str) -> list[Lane]:
+    """``--draft-model`` over the lanes of ``lanes_for(spec)``: the lanes of the spec's own
+    algorithm (V1 twins of V2 lanes included) draft with it, EAGLE twins of another algorithm
+    keep ``TWIN_EAGLE_HEAD`` (an EAGLE-3 head or an MTP assistant is no EAGLE-1 head); under a
+    spec whose algorithm loads no model (n-gram lookup) the flag can only name its twins'
+    head, and does."""
+    own = SPECS[spec].algorithm
+    reads_model = any(c is not None and c.needs_draft_model for c in SPECS[spec].configs)
+    return [replace(ln, spec=replace(ln.spec, draft_model=draft_model))
+            if ln.spec is not None and (ln.spec.algorithm == own or not reads_model) else ln
+            for ln in lanes]

@@ -27,14 +27,21 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
 import torch
 
 from conformance.bench.device import DeviceMeter
-from conformance.bench.lanes import Lane, Workload, lanes_for, load_prompts, with_graph_lanes
+from conformance.bench.lanes import (
+    Lane,
+    Workload,
+    lanes_for,
+    load_prompts,
+    with_draft_model,
+    with_graph_lanes,
+)
 from conformance.bench.result import BackendTiming, BenchResult, BenchRow
 from conformance.checks.golden import summarize
 from conformance.contract import (
@@ -178,8 +185,7 @@ def run_bench(backends: list[str], batch_sizes: list[int], max_new_tokens: int, 
         raise ValueError("--backends: at least one backend is needed")
     lanes = lanes_for(spec, backends)
     if draft_model:
-        lanes = [ln if ln.spec is None
-                 else replace(ln, spec=replace(ln.spec, draft_model=draft_model)) for ln in lanes]
+        lanes = with_draft_model(lanes, draft_model, spec)
     if len(set(backends)) != len(backends):
         raise ValueError(f"--backends: duplicates in {backends}")
     workload = Workload(model, tuple(batch_sizes), max_new_tokens, min_requests, repeats, device)

@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 from specwire import Event, MemoryView, SamplingParams, SpecConfig
 
-ALGORITHMS = frozenset({"none", "eagle", "frozen_kv_mtp", "draft_model", "ngram"})
+ALGORITHMS = frozenset({"none", "eagle", "eagle3", "frozen_kv_mtp", "draft_model", "ngram"})
 # The arithmetic a backend computes logits in; it sets how close to a tie a greedy choice may be
 # and still legitimately differ from the float32 reference (checks/oracle.py NEAR_TIE_EPSILON;
 # bfloat16 and float16 calibrated per run, checks/calibration.py).

@@ -25,6 +25,11 @@ def _eagle(steps: int, topk: int, tokens: int, overlap: bool = False) -> SpecCon
                       topk=topk, num_draft_tokens=tokens, overlap=overlap)
 
 
+def _eagle3(steps: int, topk: int, tokens: int, overlap: bool = False) -> SpecConfig:
+    return SpecConfig(algorithm="eagle3", draft_model="tiny-code-eagle3", num_steps=steps,
+                      topk=topk, num_draft_tokens=tokens, overlap=overlap)
+
+
 def _mtp(steps: int, topk: int, tokens: int, overlap: bool = False) -> SpecConfig:
     return SpecConfig(algorithm="frozen_kv_mtp", draft_model="tiny-code-mtp", num_steps=steps,
                       topk=topk, num_draft_tokens=tokens, overlap=overlap)
@@ -50,6 +55,12 @@ SPECS: dict[str, SpecChoice] = {
     "eagle-v2": SpecChoice("eagle-v2", "eagle", (_eagle(3, 1, 4, overlap=True),
                                                  _eagle(3, 4, 8, overlap=True)),
                            needs_tree=True, needs_overlap=True),
+    # EAGLE-3 (a head over three of the target's layers, with a vocabulary of its own) at
+    # EAGLE's chain and tree shapes, so the two compare at equal N. Its overlap scheduling
+    # (V2) is EAGLE's code path, covered by the engine's tests rather than a third spec.
+    "eagle3": SpecChoice("eagle3", "eagle3", (_eagle3(3, 1, 4), _eagle3(5, 1, 6))),
+    "eagle3-tree": SpecChoice("eagle3-tree", "eagle3", (_eagle3(3, 4, 8), _eagle3(5, 8, 16)),
+                              needs_tree=True),
     # Frozen-KV MTP (an assistant that reads the target's KV and keeps none): a chain and a
     # tree at EAGLE's first shapes, so the two compare at equal N.
     "mtp": SpecChoice("mtp", "frozen_kv_mtp", (_mtp(3, 1, 4), _mtp(3, 4, 8)), needs_tree=True),
@@ -61,10 +72,14 @@ SPECS: dict[str, SpecChoice] = {
 }
 
 
+PREFIXES = {"eagle3": "eagle3-", "frozen_kv_mtp": "mtp-"}  # ids of EAGLE's shapes, other drafts
+
+
 def config_id(config: SpecConfig | None) -> str:
     """A short stable name for a configuration: ``plain``, ``chain-s3-n4``, ``tree-s3-k4-n8``,
     with ``-v2`` for overlap scheduling; ``draft-n4`` for a draft model's chain of N=4,
-    ``ngram-n4`` for an n-gram chain of N=4."""
+    ``ngram-n4`` for an n-gram chain of N=4; EAGLE-3 and Frozen-KV MTP shapes as EAGLE's after
+    ``eagle3-`` and ``mtp-``."""
     if config is None:
         return "plain"
     if config.algorithm == "draft_model":
@@ -72,8 +87,8 @@ def config_id(config: SpecConfig | None) -> str:
     v2 = "-v2" if config.overlap else ""
     if config.algorithm == "ngram":
         return f"ngram-n{config.num_draft_tokens}{v2}"
-    if config.algorithm == "frozen_kv_mtp":
-        return "mtp-" + config_id(replace(config, algorithm="eagle"))
+    if config.algorithm in PREFIXES:
+        return PREFIXES[config.algorithm] + config_id(replace(config, algorithm="eagle"))
     if config.topk == 1:
         return f"chain-s{config.num_steps}-n{config.num_draft_tokens}{v2}"
     return f"tree-s{config.num_steps}-k{config.topk}-n{config.num_draft_tokens}{v2}"

@@ -32,7 +32,7 @@ def _spec(sg: SuiteContext) -> SpecConfig:
     return config
 
 
-STATE_KINDS = {"eagle": "DraftInput", "frozen_kv_mtp": "SeedInput",
+STATE_KINDS = {"eagle": "DraftInput", "eagle3": "DraftInput", "frozen_kv_mtp": "SeedInput",
                "draft_model": "CatchUpInput", "ngram": "NgramInput"}
 
 

@@ -20,7 +20,7 @@ from refengine.graph.loops import GraphOutput, LoopKey, LoopProgram, LoopViews
 from refengine.graph.program import Executor, copy_out
 from refengine.graph.staging import DUMMY_SLOT, pad_to_bucket
 from refengine.memory.kv_pool import KVPool
-from refengine.model.eagle import EagleDraftModel
+from refengine.model.eagle3 import EagleHead
 from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
 from refengine.speculative.draft_search import Candidates
 from refengine.speculative.inputs import DraftExtendInput
@@ -46,14 +46,14 @@ class DraftLoopGraph:
 
     staging_class: type[LoopStaging] = LoopStaging  # the bug zoo swaps in a broken restaging
 
-    def __init__(self, draft: EagleDraftModel | FrozenKVMTPDraftModel, pool: KVPool,
+    def __init__(self, draft: EagleHead | FrozenKVMTPDraftModel, pool: KVPool,
                  table: torch.Tensor, topk: int, steps: int, sizes: Sequence[int],
                  kv_sizes: Sequence[int], executor: Executor[Any, Any, Any],
                  extend_rows: int = 0) -> None:
         """``executor``: the target's, whose sibling runs the loop. ``extend_rows`` > 0 (an
         EAGLE head): the graph of the head's draft-extend over that many rows per request
         ("extend:eagle") instead of the draft loop."""
-        eagle = isinstance(draft, EagleDraftModel)
+        eagle = isinstance(draft, EagleHead)
         if extend_rows and not eagle:
             raise ValueError("an extend graph needs an EAGLE head")
         self.draft, self.pool, self.table = draft, pool, table

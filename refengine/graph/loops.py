@@ -16,7 +16,7 @@ Two loops, one per draft kind, and EAGLE's draft-extend:
   draft-extend), right-aligned in ``N`` columns; it writes the head's KV for every row and
   predicts from the last one.
 
-Each forward is the draft model's own ``compute`` (``EagleDraftModel.compute``,
+Each forward is the draft model's own ``compute`` (``EagleHead.compute``,
 ``FrozenKVMTPDraftModel.compute``), its KV written through ``refengine::write_kv``. The loops
 end with ``search`` (``refengine/speculative/draft_search.py``: the chain or the beam), the
 same search the eager draft runs, so only the forwards differ: here their attention metadata
@@ -34,7 +34,7 @@ from refengine.graph.compile import InPlaceKV
 from refengine.graph.export import open_limits, register_tables
 from refengine.graph.program import PackageSpec
 from refengine.model.attention import AttentionMetadata
-from refengine.model.eagle import EagleDraftModel
+from refengine.model.eagle3 import EagleHead
 from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
 from refengine.model.llama import KVCache
 from refengine.speculative.draft_search import Candidates, LoopOutput, search, top_k
@@ -44,7 +44,7 @@ LoopKey = tuple[int, int]  # (bucket, key width)
 LoopViews = dict[str, torch.Tensor]  # the staged buffers, by ``LOOP_FIELDS`` name
 
 
-def eagle_loop(draft: EagleDraftModel, pool: KVCache, table: torch.Tensor, topk: int,
+def eagle_loop(draft: EagleHead, pool: KVCache, table: torch.Tensor, topk: int,
                steps: int, max_kv: int, topk_p: torch.Tensor, topk_index: torch.Tensor,
                hidden: torch.Tensor, rows: torch.Tensor, roots: torch.Tensor,
                scratch: torch.Tensor) -> LoopOutput:
@@ -63,7 +63,7 @@ def eagle_loop(draft: EagleDraftModel, pool: KVCache, table: torch.Tensor, topk:
     return search(topk_p, topk_index, hidden, steps, forward)
 
 
-def eagle_extend(draft: EagleDraftModel, pool: KVCache, table: torch.Tensor, topk: int,
+def eagle_extend(draft: EagleHead, pool: KVCache, table: torch.Tensor, topk: int,
                  steps: int, max_kv: int, ids: torch.Tensor, hidden: torch.Tensor,
                  rows: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +128,7 @@ class LoopProgram:
     ``rows_per_request``: what one forward of the step multiplies per request (a draft step's
     top-k beams, or the extend's ``N`` rows)."""
 
-    def __init__(self, kind: str, draft: EagleDraftModel | FrozenKVMTPDraftModel,
+    def __init__(self, kind: str, draft: EagleHead | FrozenKVMTPDraftModel,
                  pool: KVCache, table: torch.Tensor, topk: int, steps: int,
                  fields: Sequence[str], rows_per_request: int) -> None:
         self.kind, self.loop = kind, LOOPS[kind]

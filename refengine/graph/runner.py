@@ -49,7 +49,7 @@ from refengine.graph.staging import (
 )
 from refengine.graph.target import GraphKey, TargetForward
 from refengine.memory.manager import KVManager
-from refengine.model.eagle import EagleDraftModel
+from refengine.model.eagle3 import EagleHead
 from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
 from refengine.model.llama import ForwardBatch, ForwardOutput, LlamaForCausalLM
 from refengine.request import Req
@@ -120,8 +120,8 @@ class GraphRunner:
         self._draft_loop: DraftLoopGraph | None = None
         self._draft_extend: DraftLoopGraph | None = None
         draft = runner.draft
-        if draft_steps is not None and isinstance(draft, (EagleDraftModel, FrozenKVMTPDraftModel)):
-            eagle = isinstance(draft, EagleDraftModel)
+        if draft_steps is not None and isinstance(draft, EagleHead | FrozenKVMTPDraftModel):
+            eagle = isinstance(draft, EagleHead)
             pool = runner.kv.draft_pool if eagle else runner.kv.target_pool
             assert pool is not None, "an EAGLE head keeps draft KV"
             self._draft_loop = self.draft_loop_class(

@@ -38,18 +38,21 @@ def whole_forward(model: LlamaForCausalLM, k_pool: torch.Tensor, v_pool: torch.T
                   table: torch.Tensor, max_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's forward over a staged bucket, every write through ``refengine::write_kv``."""
     attention = static_attention(rows, seq_lens, tree_mask, table, max_kv)
-    features = model.features(input_ids, positions, attention, out_slots,
-                              InPlaceKV(k_pool, v_pool))
-    return model.logits(features), features
+    normed, drafted = model.features(input_ids, positions, attention, out_slots,
+                                     InPlaceKV(k_pool, v_pool))
+    return model.logits(normed), drafted
 
 
 class KeyForward(torch.nn.Module):
-    """The whole forward at one key width, as a module (its weights are the model's; the
-    pools, staged views and row table are its inputs)."""
+    """The whole forward at one key width, as a module (its weights are the model's, and its
+    feature tap's, registered here so a package's weights digest covers them; the pools,
+    staged views and row table are its inputs)."""
 
     def __init__(self, model: LlamaForCausalLM, max_kv: int) -> None:
         super().__init__()
         self.model, self.max_kv = model, max_kv
+        if isinstance(model.feature_tap, torch.nn.Module):
+            self.add_module("feature_tap", model.feature_tap)
         register_tables(self, model.rotary)
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,7 @@
 """The hyper-parameters of the models the engine loads, read from their config.json (HF names):
 the Llama target (also an EAGLE head's layer and a standalone draft model), an EAGLE head's
-layout and the Frozen-KV MTP assistant. Parsing only; ``loader`` reads the files."""
+layout, an EAGLE-3 head's taps and vocabulary, and the Frozen-KV MTP assistant. Parsing only;
+``loader`` reads the files."""
 
 from __future__ import annotations
 
@@ -98,6 +99,42 @@ class EagleLayout:
                                  "such norm")
             flags[field] = value
         return cls(**flags)
+
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # the EAGLE-3 head as vLLM and sglang load it
+EAGLE3_ARCHITECTURES = (EAGLE3_ARCHITECTURE, "Eagle3LlamaForCausalLM")  # vLLM's class name too
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """What an EAGLE-3 head adds to its Llama layer's config.json: the target layers whose
+    input (the residual stream there) it reads, and its draft vocabulary's size.
+
+    ``eagle_aux_hidden_state_layer_ids``: distinct layer indices in ``[0, target layers]``
+    (``L`` reads the stream after the last layer, before the final norm); the head fuses them
+    in ascending order whatever order config.json lists, as vLLM collects them. Absent, the
+    layers vLLM picks by default: ``(2, L // 2, L - 3)``. ``draft_vocab_size`` absent: the
+    target's vocabulary."""
+
+    aux_layers: tuple[int, ...]
+    draft_vocab_size: int
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: Path, target_layers: int, vocab_size: int
+                  ) -> Eagle3Config:
+        layers = raw.get("eagle_aux_hidden_state_layer_ids")
+        if layers is None:
+            layers = [2, target_layers // 2, target_layers - 3]
+        if (not isinstance(layers, list) or not layers
+                or not all(type(i) is int and 0 <= i <= target_layers for i in layers)
+                or len(set(layers)) != len(layers)):
+            raise ValueError(f"{source}: eagle_aux_hidden_state_layer_ids must be distinct "
+                             f"layer indices in [0, {target_layers}], got {layers!r}")
+        size = raw.get("draft_vocab_size", vocab_size)
+        if type(size) is not int or not 1 <= size <= vocab_size:
+            raise ValueError(f"{source}: draft_vocab_size must be an integer in [1, "
+                             f"{vocab_size}] (the target's vocabulary), got {size!r}")
+        return cls(tuple(sorted(layers)), size)
 
 
 MTP_ARCHITECTURE = "FrozenKVMTPAssistant"

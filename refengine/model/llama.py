@@ -103,14 +103,17 @@ class KVCache(Protocol):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, input_size: int | None = None) -> None:
+        """``input_size``: the width q, k and v read (None: the hidden size; an EAGLE-3
+        head's layer reads twice that)."""
         super().__init__()
         self.layer = layer
         self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads,
                                                     cfg.num_key_value_heads, cfg.head_dim)
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        width = input_size or cfg.hidden_size
+        self.q_proj = nn.Linear(width, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def project(self, x: torch.Tensor, rope: RopeAt
@@ -190,7 +193,17 @@ class LlamaBody(nn.Module):
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor          # [wanted tokens, vocab], float32
-    features: torch.Tensor        # [tokens, hidden]: final-norm outputs (what the LM head reads)
+    features: torch.Tensor        # [tokens, hidden]: what the drafter reads (``drafted``)
+
+
+class FeatureTap(Protocol):
+    """A drafter's own features, taken in the target's forward: the residual stream at the
+    input of each of ``layers`` (ascending; the stack's length names its output before the
+    final norm), fused into one row per token (an EAGLE-3 head's ``fc``)."""
+
+    layers: tuple[int, ...]
+
+    def __call__(self, taps: list[torch.Tensor]) -> torch.Tensor: ...
 
 
 class LlamaForCausalLM(nn.Module):
@@ -203,6 +216,12 @@ class LlamaForCausalLM(nn.Module):
         # before the length check trims the run, so the table has head-room.
         self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings + ROTARY_HEADROOM,
                              cfg.rope_theta)
+        self.feature_tap: FeatureTap | None = None
+
+    def use_feature_tap(self, tap: FeatureTap | None) -> None:
+        """Hand the drafter ``tap``'s features instead of the final-norm ones (None: those).
+        Kept past nn.Module.__setattr__: the tap's weights are the draft's, not the target's."""
+        object.__setattr__(self, "feature_tap", tap)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
               ) -> tuple[torch.Tensor, RopeAt]:
@@ -212,14 +231,23 @@ class LlamaForCausalLM(nn.Module):
 
     def features(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  attention: AttentionMetadata, slots: torch.Tensor, kv: KVCache
-                 ) -> torch.Tensor:
-        """Embedding, every decoder layer (each writing its KV into ``slots``), final norm:
-        the features the LM head reads, one row per token. Not in inference mode itself, so a
-        compiled graph can trace it."""
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedding, every decoder layer (each writing its KV into ``slots``), final norm ->
+        (the features the LM head reads, the features the drafter reads: the same, or the
+        ``feature_tap``'s), one row per token. Not in inference mode itself, so a compiled
+        graph can trace it."""
         x, rope = self.embed(input_ids, positions)
-        for layer in self.model.layers:
+        tap, taps = self.feature_tap, []
+        for i, layer in enumerate(self.model.layers):
+            if tap is not None and i in tap.layers:
+                taps.append(x)
             x = layer(x, rope, attention, slots, kv)
-        return self.model.norm(x)
+        normed = self.model.norm(x)
+        if tap is None:
+            return normed, normed
+        if len(self.model.layers) in tap.layers:
+            taps.append(x)
+        return normed, tap(taps)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """The LM head, in float32."""
@@ -227,9 +255,9 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> ForwardOutput:
-        features = self.features(batch.input_ids, batch.positions, batch.attention,
-                                 batch.out_slots, kv)
-        return ForwardOutput(self.logits(batch.wanted(features)), features)
+        normed, drafted = self.features(batch.input_ids, batch.positions, batch.attention,
+                                        batch.out_slots, kv)
+        return ForwardOutput(self.logits(batch.wanted(normed)), drafted)
 
     @classmethod
     def load(cls, path: Path, dtype: torch.dtype, device: str) -> LlamaForCausalLM:

@@ -205,4 +205,6 @@ def load_weights(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         tensors = load_file(str(source))
     except (SafetensorError, OSError, ValueError) as err:
         raise ValueError(f"corrupt safetensors file {source}: {err}") from None
-    return {name: t.to(dtype) for name, t in tensors.items()}
+    # Floating tensors in the engine's dtype; index tensors (an EAGLE-3 head's vocabulary map)
+    # as stored.
+    return {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}

@@ -17,7 +17,9 @@ acceptance shows (the golden tier's per-step check; n-gram contexts missing toke
 them); and speculative-sampling bugs that only show in the distribution of sampled tokens:
 ``biased_verify_sampler`` (the distribution tier's negative control), verify paths that
 misapply top-p or temperature; and verify rows given a batch neighbour's sampling
-parameters, which shows only where a batch mixes settings. Mutants of shared code
+parameters, which shows only where a batch mixes settings; and the EAGLE-3 head's math
+(its taps, their fusion order, its vocabulary map and mask, the halves of its doubled
+input, its draft-extend positions), which only acceptance shows. Mutants of shared code
 written as source patches live in ``source_patches.py``. A mutant with ``spec`` other than
 "none" behaves exactly like the reference engine under plain decoding.
 """
@@ -35,6 +37,14 @@ from conformance.backends.mutants.acceptance import (
 from conformance.backends.mutants.context_limit import (
     EndsFarShortOfContextLimit,
     EndsShortOfContextLimit,
+)
+from conformance.backends.mutants.eagle3 import (
+    Eagle3DoubledInputSwapped,
+    Eagle3DraftMapOffByOne,
+    Eagle3ExtendAtTargetPositions,
+    Eagle3OffVocabularyNotMasked,
+    Eagle3TapsFusedReversed,
+    Eagle3TapsOneLayerLate,
 )
 from conformance.backends.mutants.graph import (
     BonusTokensNotRestaged,
@@ -229,6 +239,18 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            killed_by="test_golden.py::test_acceptance_matches_golden[ngram-n4]"),
     Mutant("ngram_context_from_last_chunk", NgramContextFromLastChunk, spec="ngram",
            killed_by="test_golden.py::test_chunked_acceptance_matches_golden[ngram-n4]"),
+    Mutant("eagle3_taps_one_layer_late", Eagle3TapsOneLayerLate, spec="eagle3",
+           killed_by="test_golden.py::test_acceptance_matches_golden[eagle3-chain-s3-n4]"),
+    Mutant("eagle3_taps_fused_reversed", Eagle3TapsFusedReversed, spec="eagle3",
+           killed_by="test_golden.py::test_acceptance_matches_golden[eagle3-chain-s3-n4]"),
+    Mutant("eagle3_draft_map_off_by_one", Eagle3DraftMapOffByOne, spec="eagle3",
+           killed_by="test_golden.py::test_acceptance_matches_golden[eagle3-chain-s3-n4]"),
+    Mutant("eagle3_off_vocabulary_not_masked", Eagle3OffVocabularyNotMasked, spec="eagle3",
+           killed_by="test_golden.py::test_acceptance_matches_golden[eagle3-chain-s3-n4]"),
+    Mutant("eagle3_doubled_input_swapped", Eagle3DoubledInputSwapped, spec="eagle3",
+           killed_by="test_golden.py::test_acceptance_matches_golden[eagle3-chain-s3-n4]"),
+    Mutant("eagle3_extend_at_target_positions", Eagle3ExtendAtTargetPositions, spec="eagle3",
+           killed_by="test_golden.py::test_acceptance_matches_golden[eagle3-chain-s3-n4]"),
 ]}
 
 

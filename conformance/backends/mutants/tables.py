@@ -4,9 +4,7 @@ entry replaced, so a mutant names only what it breaks."""
 from __future__ import annotations
 
 from refengine import Engine
-from refengine.engine import DrafterClass
-from refengine.model.eagle import EagleDraftModel
-from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
+from refengine.engine import DraftClass, DrafterClass
 
 
 def with_drafter(algorithm: str, drafter: DrafterClass) -> dict[str, DrafterClass]:
@@ -14,7 +12,6 @@ def with_drafter(algorithm: str, drafter: DrafterClass) -> dict[str, DrafterClas
     return {**Engine.drafter_classes, algorithm: drafter}
 
 
-def with_draft(algorithm: str, draft: type[FrozenKVMTPDraftModel]
-               ) -> dict[str, type[EagleDraftModel] | type[FrozenKVMTPDraftModel]]:
+def with_draft(algorithm: str, draft: DraftClass) -> dict[str, DraftClass]:
     """The reference engine's draft-model table with ``algorithm``'s loader replaced."""
     return {**Engine.draft_classes, algorithm: draft}

@@ -73,7 +73,7 @@ class RefEngineBackend:
     engine_class: type[Engine] = Engine  # the bug zoo swaps in mutant subclasses
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(algorithms=frozenset({"none", "eagle", "frozen_kv_mtp",
+        return Capabilities(algorithms=frozenset({"none", "eagle", "eagle3", "frozen_kv_mtp",
                                                   "draft_model", "ngram"}), tree=True,
                             sampling=True, seeded_sampling=True,
                             stepwise=True, abort=True, memory_view=True, acceptance_stats=True,

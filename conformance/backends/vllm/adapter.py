@@ -30,7 +30,7 @@ from conformance.backends.vllm.engine_config import (
     refusal,
 )
 from conformance.backends.vllm.handle import VllmHandle
-from conformance.backends.vllm.layout import drafts_as_refengine
+from conformance.backends.vllm.layout import drafts_as_refengine, eagle3_variants
 from conformance.contract import Capabilities, OpenConfig, SpecConfig
 from refengine.data import resolve_model_dir
 
@@ -40,7 +40,8 @@ class VllmBackend:
     version = vllm.__version__
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(algorithms=frozenset({"none", "eagle", "draft_model", "ngram"}),
+        return Capabilities(algorithms=frozenset({"none", "eagle", "eagle3", "draft_model",
+                                                  "ngram"}),
                             stepwise=True, abort=True, acceptance_stats=True,
                             sampling=True, seeded_sampling=True,
                             reference_draft=True, memory_view=True,
@@ -50,11 +51,18 @@ class VllmBackend:
         return dict(UNCLAIMED_REASONS)
 
     def unclaimed_under(self, spec: SpecConfig) -> dict[str, str]:
-        """vLLM drafts as the reference does with a draft model and with an EAGLE head already
-        in its own layout (measured: the golden tier passes, docs/backends/vllm.md); not with
-        a head it must convert, nor with its own prompt lookup."""
+        """vLLM drafts as the reference does with a draft model, with an EAGLE head already
+        in its own layout and with an EAGLE-3 head (measured: the golden tier passes,
+        docs/backends/vllm.md); not with a head it must convert or one that turns on an
+        EAGLE-3 variant refengine lacks, nor with its own prompt lookup. Trees it does not
+        run at all (``tree``)."""
         if spec.algorithm == "ngram":
             return {"reference_draft": NGRAM_LOOKUP}
+        variants = (eagle3_variants(resolve_model_dir(spec.draft_model))
+                    if spec.algorithm == "eagle3" else [])
+        if variants:
+            return {"reference_draft": f"{spec.draft_model} sets {', '.join(variants)}: vLLM "
+                    "drafts with that EAGLE-3 variant, refengine with the plain layer"}
         if spec.algorithm == "eagle" and not drafts_as_refengine(
                 resolve_model_dir(spec.draft_model)):
             return {"reference_draft": f"{spec.draft_model} has an input norm and a final "

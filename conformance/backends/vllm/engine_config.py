@@ -18,7 +18,7 @@ from typing import TypedDict
 from vllm import EngineArgs
 
 from conformance.backends.vllm.claims import NAME, TREE, UNCLAIMED_REASONS
-from conformance.backends.vllm.layout import eagle_dir
+from conformance.backends.vllm.layout import eagle3_dir, eagle_dir
 from conformance.contract import OpenConfig
 from refengine.data import resolve_model_dir
 from specwire.params import NGRAM_MAX, NGRAM_MIN
@@ -83,6 +83,9 @@ def speculative_config(cfg: OpenConfig) -> SpeculativeSection | None:
     draft = resolve_model_dir(spec.draft_model)
     if spec.algorithm == "eagle":
         return {"method": "eagle", "model": str(eagle_dir(draft)),
+                "num_speculative_tokens": spec.num_steps}
+    if spec.algorithm == "eagle3":
+        return {"method": "eagle3", "model": str(eagle3_dir(draft)),
                 "num_speculative_tokens": spec.num_steps}
     if spec.algorithm == "draft_model":
         return {"method": "draft_model", "model": str(draft),

@@ -14,6 +14,10 @@ identity and it returns the residual sum unnormalised).
   renamed, ``layers.0.input_layernorm.weight`` and ``norm.weight`` dropped. This changes what
   the head drafts (so acceptance lengths differ from refengine's), never what is emitted:
   verification keeps greedy output lossless. ``drafts_as_refengine`` tells the two apart.
+- An EAGLE-3 head (``tiny-code-eagle3``) is already in the layout vLLM's
+  ``Eagle3LlamaForCausalLM`` loads (``vllm/model_executor/models/llama_eagle3.py``) and is used
+  as it is. vLLM drafts with refengine's math unless its config.json turns on one of vLLM's
+  EAGLE-3 variants, which refengine does not read (``eagle3_variants``).
 
 Written under ``<cache>/vllm/<name>-<digest>`` (cache: ``$SPECGATE_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/specgate``, else ``~/.cache/specgate``; the digest covers every file of the
@@ -29,12 +33,23 @@ import json
 from pathlib import Path
 
 from conformance.backends.converted import converted_once, files_digest
-from refengine.model.configs import EAGLE_ARCHITECTURES, EagleLayout, architectures
+from refengine.model.configs import (
+    EAGLE3_ARCHITECTURES,
+    EAGLE_ARCHITECTURES,
+    EagleLayout,
+    architectures,
+)
 
 LAYOUT_VERSION = "vllm-layout-1"   # bump when the conversion changes
 EAGLE_SOURCE_ARCH = "LlamaForCausalLMEagle"
 EAGLE_VLLM_ARCH = "EagleLlamaForCausalLM"
 EAGLE_DROPPED = ("layers.0.input_layernorm.weight", "norm.weight")
+# What vLLM's Eagle3LlamaForCausalLM reads from a head's config.json and refengine's head does
+# not (each changes the draft math away from the plain EAGLE-3 layer), with the value that
+# leaves the math as refengine's: top-level keys, then keys of a nested ``eagle_config``.
+EAGLE3_VARIANT_KEYS = {"norm_before_residual": False, "norm_output": False,
+                       "norm_before_fc": False, "fc_norm": False}
+EAGLE3_VARIANT_EAGLE_CONFIG = {"norm_before_fc": False, "use_aux_hidden_state": True}
 
 
 def cache_root() -> Path:
@@ -103,3 +118,28 @@ def _convert_eagle(source: Path, out: Path) -> None:
     if missing:
         raise ValueError(f"draft_model: {source} lacks {missing}: not an EAGLE head")
     save_file(tensors, str(out / "model.safetensors"))
+
+
+def eagle3_variants(source: Path) -> list[str]:
+    """The keys of ``source``'s config.json that make vLLM draft with other math than
+    refengine's EAGLE-3 head: a variant flag set (``EAGLE3_VARIANT_KEYS``, also under
+    ``eagle_config``), or taps named only in ``eagle_config`` (vLLM reads them there when the
+    top-level ``eagle_aux_hidden_state_layer_ids`` is absent; refengine takes its default)."""
+    config = _config(source)
+    nested = config.get("eagle_config")
+    nested = nested if isinstance(nested, dict) else {}
+    found = [key for key, plain in EAGLE3_VARIANT_KEYS.items() if config.get(key, plain) != plain]
+    found += [f"eagle_config.{key}" for key, plain in EAGLE3_VARIANT_EAGLE_CONFIG.items()
+              if nested.get(key, plain) != plain]
+    taps = "eagle_aux_hidden_state_layer_ids"
+    if not config.get(taps) and nested.get(taps):
+        found.append(f"eagle_config.{taps}")
+    return found
+
+
+def eagle3_dir(source: Path) -> Path:
+    """``source`` (an EAGLE-3 head) as vLLM loads it: itself, its layout already vLLM's."""
+    if not set(EAGLE3_ARCHITECTURES) & set(architectures(_config(source))):
+        raise ValueError(f"draft_model: {source} is not an EAGLE-3 head (config.json "
+                         f"architectures must include one of {list(EAGLE3_ARCHITECTURES)})")
+    return source
