@@ -55,7 +55,8 @@ def test_claimed_specs() -> None:
     assert claimed_specs(RefEngineBackend().capabilities()) == list(SPECS.values())
     assert [s.name for s in claimed_specs(PlainOnly().capabilities())] == ["none"]
     no_tree = replace(RefEngineBackend().capabilities(), tree=False)
-    assert [s.name for s in claimed_specs(no_tree)] == ["none", "eagle", "draft-model", "ngram"]
+    assert [s.name for s in claimed_specs(no_tree)] == ["none", "eagle", "eagle3", "draft-model",
+                                                       "ngram"]
     chain = replace(no_tree, algorithms=frozenset({"eagle"}))
     assert [s.name for s in claimed_specs(chain)] == ["eagle"]
 

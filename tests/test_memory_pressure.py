@@ -39,7 +39,8 @@ def ignores_pool_size() -> IgnoresPoolSize:
 def test_the_widest_configuration_is_the_largest_per_step_kv_need() -> None:
     widest = {name: config_id(widest_config(spec.configs)) for name, spec in SPECS.items()}
     assert widest == {"none": "plain", "eagle": "chain-s5-n6", "eagle-tree": "tree-s5-k8-n16",
-                      "eagle-v2": "tree-s3-k4-n8-v2", "mtp": "mtp-tree-s3-k4-n8",
+                      "eagle-v2": "tree-s3-k4-n8-v2", "eagle3": "eagle3-chain-s5-n6",
+                      "eagle3-tree": "eagle3-tree-s5-k8-n16", "mtp": "mtp-tree-s3-k4-n8",
                       "draft-model": "draft-n6", "ngram": "ngram-n6"}
     tree = SpecConfig(algorithm="eagle", num_steps=5, topk=8, num_draft_tokens=16)
     assert step_kv_need(None) == 1

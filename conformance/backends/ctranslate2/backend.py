@@ -44,7 +44,7 @@ NAME = "ctranslate2"
 _NO_SPECULATION = "CTranslate2's Generator has no speculative decoding (no draft, no verify)"
 UNCLAIMED_REASONS = {
     **{f"algorithm:{a}": _NO_SPECULATION
-       for a in ("eagle", "frozen_kv_mtp", "draft_model", "ngram")},
+       for a in ("eagle", "eagle3", "frozen_kv_mtp", "draft_model", "ngram")},
     **{flag: _NO_SPECULATION for flag in ("tree", "acceptance_stats", "reference_draft",
                                           "worker_hooks")},
     "kernels": "CTranslate2 exposes no tree-building or verify kernels (it has no speculation)",

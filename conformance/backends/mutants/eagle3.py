@@ -101,9 +101,9 @@ class _OffVocabularyAtZero(Eagle3DraftModel):
 
 class Eagle3OffVocabularyNotMasked(Engine):
     """Draft-vocabulary mask wrong: target ids the EAGLE-3 head's draft vocabulary lacks get
-    logit 0 instead of ``-inf``, so they take probability mass from its own tokens and are
-    drafted wherever every draft-vocabulary logit is negative. Lossless; the drafts' scores and,
-    there, the drafts themselves change."""
+    logit 0 instead of ``-inf``. A chain's argmax notices only where every draft-vocabulary
+    logit is negative, but those ids take probability mass, so a tree's path scores, and the
+    nodes it keeps, change. Lossless; acceptance drops."""
 
     draft_classes = with_draft("eagle3", _OffVocabularyAtZero)
 
