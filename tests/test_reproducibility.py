@@ -71,6 +71,7 @@ def outcomes(pytester: pytest.Pytester, backend: str, spec: str = "none") -> dic
 def test_the_reference_engine_passes(pytester: pytest.Pytester) -> None:
     got = outcomes(pytester, "refengine")
     assert got == {"test_seed_fixes_the_stream_whatever_the_batch": "passed",
+                   "test_seed_fixes_the_stream_with_top_k_alone": "passed",
                    "test_seed_fixes_the_stream_across_retraction": "passed",
                    "test_different_seeds_give_different_streams": "passed",
                    "test_unseeded_requests_do_not_collide": "passed"}, got
@@ -83,6 +84,15 @@ def test_an_ignored_seed_fails_the_batch_check(pytester: pytest.Pytester, backen
     got = outcomes(pytester, backend, spec)
     assert got["test_seed_fixes_the_stream_whatever_the_batch"] == "failed", got
     assert got["test_different_seeds_give_different_streams"] == "passed", got
+
+
+def test_a_top_k_only_path_at_the_batch_max_fails_the_top_k_check(
+        pytester: pytest.Pytester) -> None:
+    """Top-k thresholded at the batch's largest k when no request sets top-p: the top-k check's
+    batch (no top-p) shows it; the mixed batch (a top-p neighbour) cannot."""
+    got = outcomes(pytester, "mutant:verify_top_k_alone_at_batch_max", "eagle")
+    assert got["test_seed_fixes_the_stream_with_top_k_alone"] == "failed", got
+    assert got["test_seed_fixes_the_stream_whatever_the_batch"] == "passed", got
 
 
 def test_one_seed_for_all_fails_both_collision_checks(pytester: pytest.Pytester) -> None:

@@ -7,6 +7,8 @@
   plain decoding also after forced retractions. The neighbours' settings differ so that a
   backend handing a request its neighbour's parameters (per-request parameters expanded to
   the wrong per-token rows) draws other tokens: with one setting for all it could not show.
+* Top-k alone: the same holds for a seeded request with top-k and no top-p, alone and in a
+  batch where no request sets top-p (the batch a backend's top-k-only sampling path serves).
 * Different seeds, different streams: requests with one prompt and distinct seeds, in one batch,
   give pairwise different streams.
 * Unseeded requests are independent draws: requests with one prompt and no seed, in one batch,
@@ -52,6 +54,10 @@ MAX_COLLISION = 1e-6      # estimated chance that two honest streams coincide
 # 1, no top-k, no top-p) in every parameter it sets
 NEIGHBOUR_SETTINGS = ({"temperature": 0.7, "top_k": 4}, {"temperature": 1.3, "top_p": 0.6},
                       {"temperature": 0.5, "top_k": 8, "top_p": 0.8})
+# Two settings with top-k and no top-p, unlike each other in both: a batch where no request
+# sets top-p is the one a backend may serve by a top-k-only sampling path (a kernel of its own
+# in some engines), which the mixed batch above, holding a top-p request, never reaches.
+TOP_K_ALONE_SETTINGS = ({"temperature": 0.7, "top_k": 4}, {"temperature": 1.3, "top_k": 8})
 
 Requests = dict[str, tuple[list[int], SamplingParams]]
 
@@ -113,6 +119,25 @@ def test_seed_fixes_the_stream_whatever_the_batch(sg: SuiteContext) -> None:
     _assert_same({r: o for r, o in _run(sg, requests).items() if r in ("probe", "twin")}, alone,
                  f"in a batch of {len(requests)}, between sampled requests of other settings "
                  "(alone: batch of 1)")
+
+
+@pytest.mark.specgate_requires("seeded_sampling")
+def test_seed_fixes_the_stream_with_top_k_alone(sg: SuiteContext) -> None:
+    """A seeded request with top-k and no top-p gives the same tokens alone and in a batch
+    where no request sets top-p: after a greedy request, beside a sampled one of another
+    temperature and top-k (``TOP_K_ALONE_SETTINGS``). Under speculation its verify steps then
+    take the backend's top-k-only path too, rows without drafts included."""
+    prompt = list(sg.prompts[0].ids)
+    probe = replace(sampled(PROBE_SEED), **TOP_K_ALONE_SETTINGS[0])
+    alone = _run(sg, {"probe": (prompt, probe)})["probe"].output_ids
+    requests: Requests = {
+        "greedy": (list(sg.prompts[1].ids), greedy(TOKENS)),
+        "probe": (prompt, probe),
+        "other": (list(sg.prompts[2].ids),
+                  replace(sampled(PROBE_SEED + 1), **TOP_K_ALONE_SETTINGS[1]))}
+    _assert_same({"probe": _run(sg, requests)["probe"]}, alone,
+                 f"in a batch of {len(requests)} where no request sets top-p (alone: batch of "
+                 "1)")
 
 
 @pytest.mark.specgate_requires("seeded_sampling", "stepwise", "forced_retract")

@@ -44,7 +44,7 @@ from conformance.backends.mutants.eagle3 import (
     Eagle3ExtendAtTargetPositions,
     Eagle3OffVocabularyNotMasked,
     Eagle3TapsFusedReversed,
-    Eagle3TapsOneLayerLate,
+    Eagle3TapsOneLayerEarly,
 )
 from conformance.backends.mutants.graph import (
     BonusTokensNotRestaged,
@@ -80,6 +80,7 @@ from conformance.backends.mutants.sampling import (
     VerifyIgnoresTopP,
     VerifyParamsFromPreviousRow,
     VerifyTemperatureMisapplied,
+    VerifyTopKAloneAtBatchMax,
 )
 from conformance.backends.mutants.sessions import (
     AbortsRetractedSessionTurns,
@@ -214,6 +215,9 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("verify_params_from_previous_row", VerifyParamsFromPreviousRow,
            spec="eagle",
            killed_by="test_reproducibility.py::test_seed_fixes_the_stream_whatever_the_batch"),
+    Mutant("verify_top_k_alone_at_batch_max", VerifyTopKAloneAtBatchMax,
+           spec="eagle",
+           killed_by="test_reproducibility.py::test_seed_fixes_the_stream_with_top_k_alone"),
     Mutant("stop_turn_ends_with_eos", StopTurnEndsWithEOS,
            killed_by="test_sessions.py::test_turns_ending_by_stop"),
     Mutant("stop_run_not_compacted", StopRunNotCompacted, spec="eagle-tree",
@@ -239,7 +243,7 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            killed_by="test_golden.py::test_acceptance_matches_golden[ngram-n4]"),
     Mutant("ngram_context_from_last_chunk", NgramContextFromLastChunk, spec="ngram",
            killed_by="test_golden.py::test_chunked_acceptance_matches_golden[ngram-n4]"),
-    Mutant("eagle3_taps_one_layer_late", Eagle3TapsOneLayerLate, spec="eagle3",
+    Mutant("eagle3_taps_one_layer_early", Eagle3TapsOneLayerEarly, spec="eagle3",
            killed_by="test_golden.py::test_acceptance_matches_golden[eagle3-chain-s3-n4]"),
     Mutant("eagle3_taps_fused_reversed", Eagle3TapsFusedReversed, spec="eagle3",
            killed_by="test_golden.py::test_acceptance_matches_golden[eagle3-chain-s3-n4]"),

@@ -37,22 +37,24 @@ class _RebuiltHead(Eagle3DraftModel):
 
 # --- the auxiliary features -------------------------------------------------------------------
 
-class _TapsOneLayerLate(AuxFeatureTap):
+class _TapsOneLayerEarly(AuxFeatureTap):
     def __init__(self, layers: tuple[int, ...], fc: torch.nn.Linear) -> None:
-        # BUG: each tap reads its layer's output (the next layer's input), not its input.
-        super().__init__(tuple(i + 1 for i in layers), fc)
+        # BUG: id i read as the output of layer i (the convention that counts layer outputs),
+        # which is one layer early: the id names the input of layer i, the output of i - 1.
+        super().__init__(tuple(i - 1 for i in layers), fc)
 
 
-class _TapsOneLayerLateHead(_RebuiltHead):
-    tap_class = _TapsOneLayerLate
+class _TapsOneLayerEarlyHead(_RebuiltHead):
+    tap_class = _TapsOneLayerEarly
 
 
-class Eagle3TapsOneLayerLate(Engine):
-    """Wrong auxiliary layers: each of the EAGLE-3 head's taps reads the residual stream at the
-    output of its target layer instead of its input (one layer late). Shapes line up, output
-    stays lossless; the head drafts from features it was not trained on and acceptance drops."""
+class Eagle3TapsOneLayerEarly(Engine):
+    """Wrong auxiliary layers: each of the EAGLE-3 head's taps reads the residual stream one
+    layer before the one its id names (the ids read in the other numbering, where id i is
+    layer i's output). Shapes line up, output stays lossless; the head drafts from features it
+    was not trained on and acceptance drops."""
 
-    draft_classes = with_draft("eagle3", _TapsOneLayerLateHead)
+    draft_classes = with_draft("eagle3", _TapsOneLayerEarlyHead)
 
 
 class _TapsReversed(AuxFeatureTap):

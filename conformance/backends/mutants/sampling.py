@@ -1,7 +1,8 @@
 """Sampling mutants: a verifier whose rejection residual keeps the rejected drafts (the
 distribution tier's negative control), verify paths that misapply top-p or temperature, one
-that hands each request's verify rows its batch neighbour's parameters, and an engine that
-drops the sampling settings altogether (every request greedy)."""
+that hands each request's verify rows its batch neighbour's parameters, one whose top-k-only
+batches threshold every row at the batch's largest k, and an engine that drops the sampling
+settings altogether (every request greedy)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,17 @@ def from_previous_row(batch: list[SamplingParams]) -> list[SamplingParams]:
             for own, prev in zip(batch, shifted, strict=True)]
 
 
+def top_k_alone_at_batch_max(batch: list[SamplingParams]) -> list[SamplingParams]:
+    """BUG: a batch where no request sets top-p takes a top-k-only path that thresholds every
+    sampled row at the batch's largest top-k (one ``k.max()`` for all rows) instead of each
+    request's own. A batch holding a top-p request takes the general path and is right."""
+    sampled = [p for p in batch if not p.greedy]
+    if any(p.top_p < 1.0 for p in sampled) or not any(p.top_k > 0 for p in sampled):
+        return batch
+    widest = max(p.top_k for p in sampled)
+    return [p if p.greedy or p.top_k <= 0 else replace(p, top_k=widest) for p in batch]
+
+
 class _VerifyParamsAltered(SpeculativeWorker):
     """Verify sees the batch's params through ``verify_params`` (the batch's list in, one per
     request out): each target distribution is built from them, while the plain (prefill)
@@ -133,6 +145,10 @@ class _VerifyRowsOneRequestOff(_VerifyParamsAltered):
     verify_params = staticmethod(from_previous_row)
 
 
+class _VerifyTopKAloneAtBatchMax(_VerifyParamsAltered):
+    verify_params = staticmethod(top_k_alone_at_batch_max)
+
+
 class VerifyIgnoresTopP(Engine):
     """Top-p ignored in verify: speculative verification samples from the target distribution
     without top-p filtering while plain sampling applies it, so tokens outside the nucleus are
@@ -158,6 +174,16 @@ class VerifyParamsFromPreviousRow(Engine):
     decoding are untouched."""
 
     worker_class = _VerifyRowsOneRequestOff
+
+
+class VerifyTopKAloneAtBatchMax(Engine):
+    """Top-k alone, thresholded at the batch's largest k: in a batch where no request sets
+    top-p, verification filters every sampled request at the largest top-k of the batch
+    (a top-k-only fast path taking one threshold for all rows). Invisible in a batch that
+    holds a top-p request and in a batch of one; greedy output and plain decoding are
+    untouched."""
+
+    worker_class = _VerifyTopKAloneAtBatchMax
 
 
 # The verify-path parameter bugs, by mutant name: their exact output law follows from the
