@@ -71,10 +71,12 @@ def head_over(head: Eagle3DraftModel, tokens: torch.Tensor, features: torch.Tens
     return head(ForwardBatch(tokens, torch.arange(n), table[0, :n], meta), features, kv)
 
 
-def test_config_and_loader(head: Eagle3DraftModel, head_dir: Path) -> None:
+def test_config_and_loader(build: ModuleType, head: Eagle3DraftModel, head_dir: Path) -> None:
     raw = json.loads((head_dir / "config.json").read_text())
     assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["target"] == "tiny-code"
-    assert head.eagle3.aux_layers == (2, 6, 11) and head.eagle3.draft_vocab_size == 1024
+    plan = build.EAGLE3_PLAN
+    assert head.eagle3.aux_layers == plan.aux_layers
+    assert head.eagle3.draft_vocab_size == plan.draft_vocab_size < 2048
     assert head.fc.weight.shape == (192, 3 * 192)
     assert head.midlayer.self_attn.q_proj.weight.shape == (192, 2 * 192)
     stored = load_weights(head_dir, torch.bfloat16)
@@ -113,11 +115,12 @@ def test_runtime_matches_the_training_module(
     raw = json.loads((head_dir / "config.json").read_text())
     from transformers import LlamaConfig
 
-    module = build.Eagle3Head(LlamaConfig(**{**raw, "_attn_implementation": "sdpa"}), 3, 1024)
+    vocab = raw["draft_vocab_size"]
+    module = build.Eagle3Head(LlamaConfig(**{**raw, "_attn_implementation": "sdpa"}), 3, vocab)
     weights = load_weights(head_dir, torch.float32)
     module.load_state_dict({k: v for k, v in weights.items() if k not in ("d2t", "t2d")},
                            strict=False)
-    ids = torch.arange(1024) + weights["d2t"]
+    ids = torch.arange(vocab) + weights["d2t"]
     tokens = window[1:]
     features = torch.randn(PROMPT_LEN, 192, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
@@ -166,7 +169,7 @@ def test_loader_rejects_mismatches(head_dir: Path, target: LlamaForCausalLM,
         load_with(raw, {**weights, "d2t": past})
     flipped = weights["t2d"].clone()
     flipped[int(torch.nonzero(~flipped)[0])] = True
-    with pytest.raises(ValueError, match="t2d marks 1025 target ids"):
+    with pytest.raises(ValueError, match=f"t2d marks {raw['draft_vocab_size'] + 1} target ids"):
         load_with(raw, {**weights, "t2d": flipped})
     with pytest.raises(ValueError, match="d2t must be int64"):
         load_with(raw, {**weights, "d2t": weights["d2t"].to(torch.int32)})
