@@ -14,16 +14,19 @@ from conformance.run import interrupt_redelivery
 
 
 @pytest.fixture
-def interrupt_in_next_gc() -> Iterator[None]:
-    """The next collection runs a callback that raises KeyboardInterrupt, as a SIGINT handler
-    does when the signal arrives while Python code of a gc callback runs. Automatic collection
-    is off meanwhile, so the next collection is the test's own ``gc.collect()``: one the
-    allocator triggered between this setup and the test body (now and then, on a loaded
-    machine) would fire the callback before the test installed its hook."""
-    fired = []
+def interrupt_in_next_gc() -> Iterator[list[bool]]:
+    """Once the test arms it (appends to the list it is handed), the next collection runs a
+    callback that raises KeyboardInterrupt, as a SIGINT handler does when the signal arrives
+    while Python code of a gc callback runs. Automatic collection is off meanwhile, and the
+    callback fires only once armed, so the collection it fires in is the test's own
+    ``gc.collect()``: any other between this setup and the test body (the allocator's, or an
+    explicit one elsewhere in the process, now and then on a loaded machine) would fire it
+    before the test installed its hook."""
+    fired: list[bool] = []
+    armed: list[bool] = []
 
     def callback(phase: str, info: dict[str, int]) -> None:
-        if phase == "start" and not fired:
+        if phase == "start" and armed and not fired:
             fired.append(True)
             raise KeyboardInterrupt
 
@@ -32,7 +35,7 @@ def interrupt_in_next_gc() -> Iterator[None]:
     gc.callbacks.append(callback)
     before = sys.unraisablehook
     try:
-        yield
+        yield armed
     finally:
         gc.callbacks.remove(callback)
         sys.unraisablehook = before
@@ -50,14 +53,17 @@ def wait_for_interrupt(seconds: float) -> bool:
     return False
 
 
-def test_an_interrupt_swallowed_by_gc_is_raised_again(interrupt_in_next_gc: None) -> None:
+def test_an_interrupt_swallowed_by_gc_is_raised_again(interrupt_in_next_gc: list[bool]
+                                                       ) -> None:
     interrupt_redelivery.keep_interrupts()
+    interrupt_in_next_gc.append(True)
     gc.collect()  # the callback's KeyboardInterrupt cannot propagate out of the collector
     assert wait_for_interrupt(5.0)
 
 
-def test_without_the_hook_the_interrupt_is_lost(interrupt_in_next_gc: None) -> None:
+def test_without_the_hook_the_interrupt_is_lost(interrupt_in_next_gc: list[bool]) -> None:
     sys.unraisablehook = lambda unraisable: None  # what a bare interpreter does, minus the print
+    interrupt_in_next_gc.append(True)
     gc.collect()
     assert not wait_for_interrupt(0.5)
 
