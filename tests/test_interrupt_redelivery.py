@@ -3,69 +3,57 @@
 
 from __future__ import annotations
 
-import gc
+import subprocess
 import sys
-import time
-from collections.abc import Iterator
-
-import pytest
 
 from conformance.run import interrupt_redelivery
 
+# A fresh interpreter, so nothing an earlier test in the same worker left behind (threads,
+# hooks, gc state) stands between the collection and the interrupt. Automatic collection is
+# off, so the one collection is the script's own; its gc callback raises KeyboardInterrupt
+# once, as a SIGINT handler does when the signal arrives while Python code of a gc callback
+# runs. The script prints whether the interrupt then reached ordinary code within the wait.
+GC_INTERRUPT_SCRIPT = """
+import gc, sys, time
+from conformance.run import interrupt_redelivery
 
-@pytest.fixture
-def interrupt_in_next_gc() -> Iterator[list[bool]]:
-    """Once the test arms it (appends to the list it is handed), the next collection runs a
-    callback that raises KeyboardInterrupt, as a SIGINT handler does when the signal arrives
-    while Python code of a gc callback runs. Automatic collection is off meanwhile, and the
-    callback fires only once armed, so the collection it fires in is the test's own
-    ``gc.collect()``: any other between this setup and the test body (the allocator's, or an
-    explicit one elsewhere in the process, now and then on a loaded machine) would fire it
-    before the test installed its hook."""
-    fired: list[bool] = []
-    armed: list[bool] = []
+fired = []
+def callback(phase, info):
+    if phase == "start" and not fired:
+        fired.append(True)
+        raise KeyboardInterrupt
 
-    def callback(phase: str, info: dict[str, int]) -> None:
-        if phase == "start" and armed and not fired:
-            fired.append(True)
-            raise KeyboardInterrupt
-
-    was_enabled = gc.isenabled()
-    gc.disable()
-    gc.callbacks.append(callback)
-    before = sys.unraisablehook
-    try:
-        yield armed
-    finally:
-        gc.callbacks.remove(callback)
-        sys.unraisablehook = before
-        if was_enabled:
-            gc.enable()
-
-
-def wait_for_interrupt(seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    try:
-        while time.monotonic() < deadline:
-            time.sleep(0.001)
-    except KeyboardInterrupt:
-        return True
-    return False
-
-
-def test_an_interrupt_swallowed_by_gc_is_raised_again(interrupt_in_next_gc: list[bool]
-                                                       ) -> None:
+gc.disable()
+if sys.argv[1] == "hook":
     interrupt_redelivery.keep_interrupts()
-    interrupt_in_next_gc.append(True)
-    gc.collect()  # the callback's KeyboardInterrupt cannot propagate out of the collector
-    assert wait_for_interrupt(5.0)
+else:
+    sys.unraisablehook = lambda unraisable: None  # a bare interpreter, minus the print
+gc.callbacks.append(callback)
+gc.collect()
+deadline = time.monotonic() + float(sys.argv[2])
+try:
+    while time.monotonic() < deadline:
+        time.sleep(0.001)
+except KeyboardInterrupt:
+    print("interrupted")
+else:
+    print("lost")
+"""
 
 
-def test_without_the_hook_the_interrupt_is_lost(interrupt_in_next_gc: list[bool]) -> None:
-    sys.unraisablehook = lambda unraisable: None  # what a bare interpreter does, minus the print
-    interrupt_in_next_gc.append(True)
-    gc.collect()
-    assert not wait_for_interrupt(0.5)
+def interrupt_after_gc(mode: str, wait_s: float) -> str:
+    """Run the script with the hook (``mode`` "hook") or without; -> what it printed."""
+    done = subprocess.run([sys.executable, "-c", GC_INTERRUPT_SCRIPT, mode, str(wait_s)],
+                          capture_output=True, text=True, timeout=60, check=True)
+    return done.stdout.strip()
+
+
+def test_an_interrupt_swallowed_by_gc_is_raised_again() -> None:
+    assert interrupt_after_gc("hook", 5.0) == "interrupted"
+
+
+def test_without_the_hook_the_interrupt_is_lost() -> None:
+    assert interrupt_after_gc("bare", 0.5) == "lost"
 
 
 def test_other_unraisable_exceptions_reach_the_previous_hook() -> None:
