@@ -14,8 +14,12 @@ from conformance.run import interrupt_redelivery
 # once, as a SIGINT handler does when the signal arrives while Python code of a gc callback
 # runs. The script prints whether the interrupt then reached ordinary code within the wait.
 GC_INTERRUPT_SCRIPT = """
-import gc, sys, time
+import gc, signal, sys, time
 from conformance.run import interrupt_redelivery
+
+# Python's own Ctrl-C handler, as in a terminal: a runner that starts its children with SIGINT
+# ignored (tox does) makes _thread.interrupt_main a no-op, and there is no Ctrl-C to keep
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 fired = []
 def callback(phase, info):
