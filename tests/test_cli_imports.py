@@ -69,3 +69,19 @@ def test_a_session_without_specgate_options_imports_no_torch(tmp_path: Path) -> 
 def test_a_session_naming_a_backend_runs_the_suites_hooks(tmp_path: Path) -> None:
     torch_modules, hooked = session_modules(tmp_path, "--specgate-backend", "refengine")
     assert torch_modules and hooked
+
+
+def test_an_engine_with_a_draft_head_loads_without_torch_dynamo() -> None:
+    """Every suite process opens engines; building a model on the meta device with its
+    random init would import torch._dynamo (a second of start-up per process) for values the
+    checkpoint replaces. The init is skipped, and only while the model is built."""
+    names = imported("-c", (
+        "import torch\n"
+        "from refengine import Engine, EngineConfig, SamplingParams\n"
+        "from conformance.plan.specs import SPECS\n"
+        "for name in ('eagle', 'eagle3', 'mtp', 'draft-model'):\n"
+        "    engine = Engine(EngineConfig(model='tiny-code', spec=SPECS[name].configs[0]))\n"
+        "    engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4))\n"
+        "assert torch.nn.Linear(64, 64).weight.std() > 0  # init outside a build is untouched\n"))
+    assert "refengine.model.eagle3" in names
+    assert "torch._dynamo" not in names

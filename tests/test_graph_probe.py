@@ -114,6 +114,32 @@ def test_runs_are_deterministic_and_self_contained(
         max_new_tokens=3, temperature=0.0, ignore_eos=True))] == [3]
 
 
+def test_the_kv_digest_sees_every_changed_bit_outside_the_skipped_slots(
+        open_handle: type[RefEngineHandle]) -> None:
+    """The "kv" state digest of a run on a world: any changed bit of any pool (target K or V)
+    outside the run's targets changes it, NaN and a sign-only change of zero included;
+    changes in a target slot do not; putting the bytes back restores it."""
+    probe = open_handle().graph_probe()  # type: ignore[call-arg]
+    targets = torch.tensor([40, 41])
+    k, v = probe.kv.target_pool.k, probe.kv.target_pool.v
+    with probe.requests(3, seed=2):
+        clean = probe.digests(targets, "decode")["kv"]
+        for pool, at in ((k, (1, 300, 1, 7)), (v, (0, 999, 0, 0))):
+            kept = pool[at].clone()
+            for value in (kept + 1e-6, float("nan"), -kept):
+                pool[at] = value
+                assert probe.digests(targets, "decode")["kv"] != clean, (at, value)
+            pool[at] = kept
+            assert probe.digests(targets, "decode")["kv"] == clean
+        v[0, 999, 0, 0], kept = 0.0, v[0, 999, 0, 0].clone()
+        zero = probe.digests(targets, "decode")["kv"]
+        v[0, 999, 0, 0] = -0.0
+        assert probe.digests(targets, "decode")["kv"] != zero
+        v[0, 999, 0, 0] = kept
+        k[1, 41] += 1.0  # a target slot: the run's own write
+        assert probe.digests(targets, "decode")["kv"] == clean
+
+
 def test_bad_use_is_refused(open_handle: type[RefEngineHandle]) -> None:
     handle = open_handle()
     probe = handle.graph_probe()  # type: ignore[call-arg]

@@ -43,7 +43,7 @@ from refengine.model.llama import (
 from refengine.model.loader import (
     DRAFT_FILES,
     ModelConfig,
-    check_state_dict,
+    build_loaded,
     load_weights,
     read_config_json,
     require_files,
@@ -128,10 +128,7 @@ class EagleDraftModel(nn.Module):
         if (cfg.hidden_size, cfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
             raise ValueError(f"{path}: draft hidden/vocab {cfg.hidden_size}/{cfg.vocab_size} do "
                              f"not match the target's {tcfg.hidden_size}/{tcfg.vocab_size}")
-        model = cls(cfg, target, layout).to(dtype)
-        weights = load_weights(path, dtype)
-        check_state_dict(path, model, weights,
-                         f"not an EAGLE head of the layout config.json declares "
-                         f"(input norm {layout.input_norm}, final norm {layout.final_norm})")
-        model.load_state_dict(weights)
+        model = build_loaded(path, lambda: cls(cfg, target, layout), load_weights(path, dtype),
+                             f"not an EAGLE head of the layout config.json declares "
+                             f"(input norm {layout.input_norm}, final norm {layout.final_norm})")
         return place_for_decoding(model, device)

@@ -47,7 +47,7 @@ from refengine.model.llama import (
 from refengine.model.loader import (
     DRAFT_FILES,
     ModelConfig,
-    check_state_dict,
+    build_loaded,
     load_weights,
     read_config_json,
     require_files,
@@ -173,13 +173,12 @@ class Eagle3DraftModel(nn.Module):
             raise ValueError(f"{path}: draft hidden/vocab {cfg.hidden_size}/{cfg.vocab_size} do "
                              f"not match the target's {tcfg.hidden_size}/{tcfg.vocab_size}")
         eagle3 = Eagle3Config.from_dict(raw, source, tcfg.num_hidden_layers, tcfg.vocab_size)
-        model = cls(cfg, eagle3, target).to(dtype)
         weights = load_weights(path, dtype)
-        check_state_dict(path, model, weights, "not an EAGLE-3 head of the shape config.json "
-                         f"declares ({len(eagle3.aux_layers)} taps, draft vocabulary "
-                         f"{eagle3.draft_vocab_size})")
+        model = build_loaded(path, lambda: cls(cfg, eagle3, target), weights,
+                             "not an EAGLE-3 head of the shape config.json declares "
+                             f"({len(eagle3.aux_layers)} taps, draft vocabulary "
+                             f"{eagle3.draft_vocab_size})")
         check_vocabulary_map(path, weights["d2t"], weights["t2d"], cfg.vocab_size)
-        model.load_state_dict(weights)
         return place_for_decoding(model, device)
 
 

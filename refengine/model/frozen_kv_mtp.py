@@ -43,7 +43,7 @@ from refengine.model.configs import MTP_ARCHITECTURE, FrozenKVMTPConfig
 from refengine.model.llama import KVCache, LlamaForCausalLM, RMSNorm, RopeAt, Rotary, SwiGLU
 from refengine.model.loader import (
     DRAFT_FILES,
-    check_state_dict,
+    build_loaded,
     load_weights,
     read_config_json,
     require_files,
@@ -144,11 +144,8 @@ class FrozenKVMTPDraftModel(nn.Module):
                              f"got {raw.get('architectures')}")
         cfg = FrozenKVMTPConfig.from_dict(raw, source)
         _check_against_target(path, cfg, target)
-        model = cls(cfg, target).to(dtype)
-        weights = load_weights(path, dtype)
-        check_state_dict(path, model, weights,
-                         "not a Frozen-KV MTP assistant for config.json")
-        model.load_state_dict(weights, strict=True)
+        model = build_loaded(path, lambda: cls(cfg, target), load_weights(path, dtype),
+                             "not a Frozen-KV MTP assistant for config.json")
         return place_for_decoding(model, device)
 
 

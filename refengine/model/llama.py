@@ -18,8 +18,8 @@ from torch import nn
 from refengine.model.attention import AttentionMetadata, paged_attention
 from refengine.model.loader import (
     ModelConfig,
+    build_loaded,
     check_model_dir,
-    check_state_dict,
     load_config,
     load_weights,
 )
@@ -266,11 +266,6 @@ class LlamaForCausalLM(nn.Module):
         weights = load_weights(path, dtype)
         if cfg.tie_word_embeddings and "lm_head.weight" not in weights:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-        # Built on the meta device and given the loaded tensors themselves (strict: every
-        # parameter): neither a random init nor a copy of weights about to be replaced.
-        with torch.device("meta"):
-            model = cls(cfg)
-        check_state_dict(path, model, weights, "weights do not match config.json")
-        model.load_state_dict(weights, strict=True, assign=True)
+        model = build_loaded(path, lambda: cls(cfg), weights, "weights do not match config.json")
         model.rotary.place(device)
         return place_for_decoding(model, device)

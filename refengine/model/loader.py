@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from torch.overrides import TorchFunctionMode
 
 from refengine.model.configs import (
     EAGLE_ARCHITECTURES,
@@ -197,6 +199,36 @@ def check_state_dict(path: Path, model: torch.nn.Module, weights: dict[str, torc
     if missing or unexpected or reshaped:
         raise ValueError(f"{path / 'model.safetensors'}: {what} (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}, wrong shape {reshaped[:3]})")
+
+
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
+
+
+class _WithoutRandomInit(TorchFunctionMode):
+    """Modules' random init skipped (this thread only): on the meta device it would be a
+    Python decomposition whose first use imports torch._dynamo, a second of every process's
+    first engine, for values nobody reads."""
+
+    SKIPPED = frozenset({"uniform_", "normal_"})
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        if getattr(func, "__name__", None) in self.SKIPPED:
+            # the tensor to fill: a method's self, or torch.nn.init's ``tensor`` keyword
+            return args[0] if args else (kwargs or {})["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+def build_loaded(path: Path, build: Callable[[], ModuleT], weights: dict[str, torch.Tensor],
+                 what: str) -> ModuleT:
+    """``build()`` on the meta device, then given ``weights`` themselves (every parameter and
+    buffer, checked by ``check_state_dict`` with ``what``): neither a random init nor a copy
+    of weights about to be replaced, which cost most of a draft head's load."""
+    with torch.device("meta"), _WithoutRandomInit():
+        model = build()
+    check_state_dict(path, model, weights, what)
+    model.load_state_dict(weights, strict=True, assign=True)
+    return model
 
 
 def load_weights(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

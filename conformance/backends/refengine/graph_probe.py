@@ -162,20 +162,8 @@ class RefGraphProbe(ProbeWorld):
         if self.writes_kv(kind):
             skip = torch.cat([skip, targets.reshape(-1)])
         alloc = self.kv.allocator.backup_state()
-        return {"kv": self._pool_digest(skip),
+        assert self._world is not None, "digests: only of a run on a world"
+        return {"kv": self._world.pools_digest_of(self._pools(), skip),
                 "request_rows": digest(self.kv.rows.table),
                 "allocator": digest(repr(alloc.free_pages), alloc.is_free,
                                     str(self.kv.rows.free_rows))}
-
-    def _pool_digest(self, skip: torch.Tensor) -> str:
-        """The digest of every pool with the ``skip`` slots zeroed: hashed in place (no copy
-        of the pools) and then put back exactly."""
-        pools = self._pools()
-        saved = [p[:, skip].clone() for p in pools]
-        try:
-            for p in pools:
-                p[:, skip] = 0
-            return digest(*pools)
-        finally:
-            for p, s in zip(pools, saved, strict=True):
-                p[:, skip] = s

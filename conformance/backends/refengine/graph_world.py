@@ -58,6 +58,28 @@ class World:
     table: torch.Tensor
     allocator: AllocatorState
     rows_free: int
+    pools_digest: str  # of ``pools``: what a run's pool digest is taken relative to
+
+    def pools_digest_of(self, pools: list[torch.Tensor], skip: torch.Tensor) -> str:
+        """The digest of ``pools`` (the live pools of a run on this world) outside the
+        ``skip`` slots: this world's pool digest plus which slots differ from its snapshot,
+        bit for bit, and their bytes. Two runs on one world get equal digests exactly when
+        their pools are equal outside ``skip``; finding the differences is a comparison, a
+        fraction of hashing every byte of every pool before and after each run."""
+        keep = torch.ones(pools[0].shape[1], dtype=torch.bool, device=pools[0].device)
+        keep[skip] = False
+        parts: list[torch.Tensor | str] = [self.pools_digest]
+        for pool, saved in zip(pools, self.pools, strict=True):
+            differs = (bits(pool) != bits(saved)).flatten(2).any(-1).any(0) & keep
+            where = differs.nonzero().flatten()
+            parts += [where, pool[:, where]]
+        return digest(*parts)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as integers of its width: compared bit for bit, NaN equals itself and
+    -0.0 differs from 0.0."""
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def prompt(seed: int, i: int, vocab: int) -> list[int]:
@@ -105,9 +127,7 @@ class ProbeWorld:
                 kv.allocator.free_page_count != kv.allocator.num_pages - 1:
             raise RuntimeError("graph probe: the engine must be idle (no request holds a row "
                                "or KV) when the probe is made")
-        self._baseline = World(-1, [], [p.clone() for p in self._pools()],
-                               kv.rows.table.clone(), kv.allocator.backup_state(),
-                               kv.rows.free_rows)
+        self._baseline = self._snapshot(-1, [])
         self._world: World | None = None
 
     def max_batch(self) -> int:
@@ -209,10 +229,14 @@ class ProbeWorld:
         for r, n in zip(reqs, lens, strict=True):
             self.kv.commit(r, n)
         self._scribble(reqs, seed)
-        self._world = World(seed, reqs, [p.clone() for p in self._pools()],
-                            self.kv.rows.table.clone(), self.kv.allocator.backup_state(),
-                            self.kv.rows.free_rows)
+        self._world = self._snapshot(seed, reqs)
         return self._world
+
+    def _snapshot(self, seed: int, reqs: list[Req]) -> World:
+        """The engine's state now, as the world of ``seed`` whose requests are ``reqs``."""
+        pools = [p.clone() for p in self._pools()]
+        return World(seed, reqs, pools, self.kv.rows.table.clone(),
+                     self.kv.allocator.backup_state(), self.kv.rows.free_rows, digest(*pools))
 
     @property
     def device(self) -> torch.device:
