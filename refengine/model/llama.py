@@ -90,6 +90,13 @@ class RopeAt:
         return x * self.cos + rotated * self.sin
 
 
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``, the same math (``nn.Linear.forward``) without nn.Module's call machinery
+    (hook and tracing checks, two more Python frames): at decode batch sizes that machinery is
+    a good part of a linear's host cost, and a decoder layer has seven."""
+    return F.linear(x, layer.weight, layer.bias)
+
+
 class KVCache(Protocol):
     """Where a forward's decoder layers write their K and V and read them back: the pool
     (``KVPool``) when eager, a wrapper whose ``write`` is an opaque in-place op inside a
@@ -120,15 +127,15 @@ class Attention(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Normed input -> (q, k, v), q and k rotated: ``[tokens, heads, head_dim]``."""
         n = x.shape[0]
-        q = rope.apply(self.q_proj(x).view(n, self.heads, self.head_dim))
-        k = rope.apply(self.k_proj(x).view(n, self.kv_heads, self.head_dim))
-        return q, k, self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        q = rope.apply(linear(self.q_proj, x).view(n, self.heads, self.head_dim))
+        k = rope.apply(linear(self.k_proj, x).view(n, self.kv_heads, self.head_dim))
+        return q, k, linear(self.v_proj, x).view(n, self.kv_heads, self.head_dim)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                attention: AttentionMetadata) -> torch.Tensor:
         """Attention of ``q`` over one layer's cache, then the output projection."""
         out = paged_attention(q, k_cache, v_cache, attention, self.head_dim ** -0.5)
-        return self.o_proj(out.flatten(1))
+        return linear(self.o_proj, out.flatten(1))
 
 
 class SwiGLU(nn.Module):
@@ -139,7 +146,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
 
 
 class DecoderLayer(nn.Module):
