@@ -20,6 +20,7 @@ import hashlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -58,7 +59,12 @@ class World:
     table: torch.Tensor
     allocator: AllocatorState
     rows_free: int
-    pools_digest: str  # of ``pools``: what a run's pool digest is taken relative to
+
+    @cached_property
+    def pools_digest(self) -> str:
+        """The digest of the snapshot's pools (taken once, at a world's first run digest;
+        the probe's baseline never needs it)."""
+        return digest(*self.pools)
 
     def pools_digest_of(self, pools: list[torch.Tensor], skip: torch.Tensor) -> str:
         """The digest of ``pools`` (the live pools of a run on this world) outside the
@@ -234,9 +240,8 @@ class ProbeWorld:
 
     def _snapshot(self, seed: int, reqs: list[Req]) -> World:
         """The engine's state now, as the world of ``seed`` whose requests are ``reqs``."""
-        pools = [p.clone() for p in self._pools()]
-        return World(seed, reqs, pools, self.kv.rows.table.clone(),
-                     self.kv.allocator.backup_state(), self.kv.rows.free_rows, digest(*pools))
+        return World(seed, reqs, [p.clone() for p in self._pools()], self.kv.rows.table.clone(),
+                     self.kv.allocator.backup_state(), self.kv.rows.free_rows)
 
     @property
     def device(self) -> torch.device:
