@@ -1,8 +1,8 @@
 """The ``tiny-code-eagle3`` fixture (EAGLE-3 head of ``tiny-code``, vLLM's checkpoint layout): it
 loads through refengine's runtime class, the target's tap computes the features the training
-module fuses, the head computes what the training module computes (its first pass on those
-features, a later pass on its own pre-norm output), its logits land on the target ids ``d2t``
-names, and the loader refuses configs and vocabulary maps that do not fit."""
+module fuses, each training pass computes what the head computes at that step of a draft
+chain (the first on those features, a later one on its own pre-norm output), its logits land on
+the target ids ``d2t`` names, and the loader refuses configs and vocabulary maps that do not fit."""
 
 from __future__ import annotations
 
@@ -106,12 +106,14 @@ def test_tap_gives_the_training_modules_fused_features(
     torch.testing.assert_close(target_features(target, window), finals[0], rtol=0, atol=1e-4)
 
 
-def test_runtime_matches_the_training_module(
+@pytest.mark.parametrize("start", [0, 5, PROMPT_LEN - 4])
+def test_every_training_pass_is_the_runtime_draft_chain(
         build: ModuleType, head_dir: Path, head: Eagle3DraftModel, target: LlamaForCausalLM,
-        window: torch.Tensor) -> None:
-    """Two passes of the training module (transformers' attention over the whole window, the
-    second fed the first's pre-norm output one position back) against refengine's head over
-    the same rows; its logits are the draft vocabulary's at ``arange + d2t``, -inf elsewhere."""
+        window: torch.Tensor, start: int) -> None:
+    """The training module's pass k at position ``start + k`` against refengine's head over
+    the rows drafting gives it: positions 0..start with the fed features (the draft-extend's
+    context), then one row per earlier draft step, each fed the previous step's pre-norm
+    output, its KV kept. Their logits land on the target ids ``d2t`` names, -inf elsewhere."""
     raw = json.loads((head_dir / "config.json").read_text())
     from transformers import LlamaConfig
 
@@ -121,19 +123,24 @@ def test_runtime_matches_the_training_module(
     module.load_state_dict({k: v for k, v in weights.items() if k not in ("d2t", "t2d")},
                            strict=False)
     ids = torch.arange(vocab) + weights["d2t"]
+    off = torch.ones(2048, dtype=torch.bool)
+    off[ids] = False
     tokens = window[1:]
     features = torch.randn(PROMPT_LEN, 192, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         embeds = target.model.embed_tokens(tokens)[None]
         hidden = features[None]
-        for _ in range(2):
-            want_logits, prenorm = module(embeds, hidden)
-            logits, predicted = head_over(head, tokens, hidden[0])
-            torch.testing.assert_close(predicted, prenorm[0], rtol=0, atol=1e-4)
-            torch.testing.assert_close(logits[:, ids], want_logits[0], rtol=0, atol=1e-4)
-            off = torch.ones(2048, dtype=torch.bool)
-            off[ids] = False
-            assert bool((logits[:, off] == float("-inf")).all())
+        earlier: list[tuple[torch.Tensor, torch.Tensor]] = []
+        chain_inputs = [features[:start + 1]]
+        for k in range(build.EAGLE3_PLAN.unroll):
+            want_logits, prenorm, kv = module(embeds, hidden, earlier)
+            earlier.append(kv)
+            j = start + k
+            logits, predicted = head_over(head, tokens[:j + 1], torch.cat(chain_inputs))
+            torch.testing.assert_close(predicted[j], prenorm[0, j], rtol=0, atol=1e-4)
+            torch.testing.assert_close(logits[j, ids], want_logits[0, j], rtol=0, atol=1e-4)
+            assert bool((logits[j, off] == float("-inf")).all())
+            chain_inputs.append(prenorm[0, j:j + 1])
             hidden = torch.cat([hidden[:, :1], prenorm[:, :-1]], dim=1)
 
 
