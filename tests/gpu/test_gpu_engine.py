@@ -38,6 +38,8 @@ CASES: dict[str, SpecConfig | None] = {
     "eagle-tree": SPECS["eagle-tree"].configs[0],
     "eagle-v2-chain": SPECS["eagle-v2"].configs[0],
     "eagle-v2-tree": SPECS["eagle-v2"].configs[1],
+    "eagle3-chain": SPECS["eagle3"].configs[0],
+    "eagle3-tree": SPECS["eagle3-tree"].configs[0],
     "mtp-chain": SPECS["mtp"].configs[0],
     "mtp-tree": SPECS["mtp"].configs[1],
     "draft-model": SPECS["draft-model"].configs[0],
