@@ -75,6 +75,17 @@ class OutputProcessor:
             self.worker.drop(req.rid)
 
     def resolve(self, result: StepResult, events: list[Event]) -> None:
+        # The accepted paths' KV moves as one copy (``KVManager.batched_moves``), done before
+        # the worker's draft-extend, which may read the target's KV (Frozen-KV MTP).
+        with self.kv.batched_moves():
+            kept = self._resolve_requests(result, events)
+        if result.verify is not None:
+            assert self.worker is not None
+            self.worker.resolved(result, kept)
+
+    def _resolve_requests(self, result: StepResult, events: list[Event]) -> list[int]:
+        """Each request's part of ``result`` applied in order; -> the indices of those still
+        running after a verify step."""
         kept: list[int] = []
         for i, req in enumerate(result.reqs):
             if self.is_stale(result, i):
@@ -98,9 +109,7 @@ class OutputProcessor:
                 self.finish(req, reason, events)
             elif result.verify is not None:
                 kept.append(i)
-        if result.verify is not None:
-            assert self.worker is not None
-            self.worker.resolved(result, kept)
+        return kept
 
     def commit_run(self, req: Req, nodes: list[int], overlap: bool) -> None:
         """Commit a verify step's accepted nodes (root first). Under overlap scheduling their

@@ -87,28 +87,30 @@ class Scheduler:
                            for r in self.running if r.status is ReqStatus.DECODE)
         chunked = [r for r in self.running if r.status is ReqStatus.PREFILL]
         candidates = chunked + list(self.waiting)
-        for req in candidates:
-            remaining = len(req.fill_ids) - req.kv_committed_len
-            take = min(remaining, budget)
-            fresh = req.status is ReqStatus.WAITING
-            if fresh and len(self.running) + len(reqs) >= self.max_running_requests:
-                break
-            pages = self.kv.pages_needed(req, take)
-            if pages + top_up_pages > self.kv.allocator.free_page_count:
-                break
-            # A session turn may hold its row already (the inherited prefix)
-            if fresh and req.row is None and not self.kv.assign_row(req):
-                break
-            if fresh:
-                self.waiting.remove(req)
-                self.running.append(req)
-                req.status = ReqStatus.PREFILL
-            self.kv.extend(req, take)  # the chunk's slots (the free count drops by ``pages``)
-            reqs.append(req)
-            lens.append(take)
-            budget -= take
-            if take < remaining or budget == 0:
-                break  # at most one request is left mid-prompt, and it is the last one
+        # One row-table write for every chunk admitted (``KVManager.batched_writes``).
+        with self.kv.batched_writes():
+            for req in candidates:
+                remaining = len(req.fill_ids) - req.kv_committed_len
+                take = min(remaining, budget)
+                fresh = req.status is ReqStatus.WAITING
+                if fresh and len(self.running) + len(reqs) >= self.max_running_requests:
+                    break
+                pages = self.kv.pages_needed(req, take)
+                if pages + top_up_pages > self.kv.allocator.free_page_count:
+                    break
+                # A session turn may hold its row already (the inherited prefix)
+                if fresh and req.row is None and not self.kv.assign_row(req):
+                    break
+                if fresh:
+                    self.waiting.remove(req)
+                    self.running.append(req)
+                    req.status = ReqStatus.PREFILL
+                self.kv.grow(req, take)  # the chunk's slots (the free count drops by ``pages``)
+                reqs.append(req)
+                lens.append(take)
+                budget -= take
+                if take < remaining or budget == 0:
+                    break  # at most one request is left mid-prompt, and it is the last one
         if not reqs:
             return None
         return ScheduledBatch("prefill", reqs, lens)
@@ -125,8 +127,9 @@ class Scheduler:
             if not decoding:
                 return ScheduledBatch("decode", [], [], retracted) if retracted else None
             if self.kv.can_extend([(r, self.top_up(r)) for r in decoding]):
-                for r in decoding:
-                    self.kv.reserve(r, self.reservation)
+                with self.kv.batched_writes():
+                    for r in decoding:
+                        self.kv.reserve(r, self.reservation)
                 claimed = decoding if self.reservation.preclaim_root else []
                 return ScheduledBatch("decode", decoding, [1] * len(decoding), retracted,
                                       list(claimed))

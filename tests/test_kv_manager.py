@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from refengine.config import SamplingParams
+from refengine.memory import manager, req_to_token
 from refengine.memory.manager import KVManager, MemoryCheckError
 from refengine.memory.view import ceil_page
 from refengine.request import Req
@@ -203,3 +210,86 @@ def test_strict_check_catches_slot_leak_or_overcount(page_size: int, delta: int)
     owned = ceil_page(6, page_size) + ceil_page(6 + delta, page_size)
     assert f"owned {owned}" in str(info.value)
     assert f"capacity {kv.capacity}" in str(info.value)
+
+
+
+@contextlib.contextmanager
+def host_copies(module: Any = req_to_token) -> Iterator[list[int]]:
+    """Counts the host-to-device copies of ``module`` (its ``from_host`` calls)."""
+    calls = [0]
+    original = module.from_host
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    module.from_host = counting
+    try:
+        yield calls
+    finally:
+        module.from_host = original
+
+
+@settings(max_examples=40, deadline=None)
+@given(page_size=st.sampled_from([1, 4]),
+       chunks=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6)), min_size=1, max_size=12))
+def test_batched_writes_leave_the_table_as_one_write_per_extend_would(
+        page_size: int, chunks: list[tuple[int, int]]) -> None:
+    """The schedule phase's one row-table write: the same table and host copy as a write per
+    extend, with one host-to-device copy for the whole block."""
+    tables, copies = [], []
+    for batched in (False, True):
+        kv = make_manager(page_size, pool_tokens=128)
+        reqs = [make_req(kv, f"r{i}") for i in range(4)]
+        extends = 0
+        block = kv.batched_writes() if batched else contextlib.nullcontext()
+        with host_copies() as calls, block:
+            for i, n in chunks:
+                if reqs[i].kv_allocated_len + n <= CONTEXT:
+                    kv.extend(reqs[i], n)
+                    extends += 1
+        copies.append(calls[0])
+        tables.append(kv.rows.table.clone())
+        assert all(kv.rows.table[r].tolist() == list(kv.rows.host[r]) for r in range(5))
+    assert torch.equal(tables[0], tables[1])
+    assert copies == [extends, min(extends, 1)]
+
+
+def test_batched_writes_reach_the_table_when_the_block_raises() -> None:
+    kv = make_manager(1, pool_tokens=16)
+    req = make_req(kv)
+    with pytest.raises(MemoryError), kv.batched_writes():
+        kv.extend(req, 5)
+        kv.extend(req, 20)  # more than the pool has left
+    assert req.row is not None and req.kv_allocated_len == 5
+    assert row_slots(kv, req) == list(kv.rows.host[req.row][:5])
+    assert all(s > 0 for s in row_slots(kv, req))
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), page_size=st.sampled_from([1, 4]))
+def test_batched_moves_leave_the_pool_as_a_copy_per_path_would(data: st.DataObject,
+                                                               page_size: int) -> None:
+    """Tree paths of several requests resolved together: the same target pool as moving each
+    path on its own, in one copy per pool tensor."""
+    block = 6
+    paths = [sorted(data.draw(st.sets(st.integers(1, block - 1), max_size=3))) for _ in range(3)]
+    pools = []
+    for batched in (False, True):
+        kv = make_manager(page_size, pool_tokens=128)
+        torch.manual_seed(0)
+        kv.target_pool.k.normal_()
+        kv.target_pool.v.normal_()
+        reqs = [make_req(kv, f"r{i}") for i in range(3)]
+        for req in reqs:
+            kv.extend(req, 4 + block)
+            kv.commit(req, 4)
+        moves = kv.batched_moves() if batched else contextlib.nullcontext()
+        with host_copies(manager) as calls, moves:
+            for req, path in zip(reqs, paths, strict=True):
+                kv.move_path(req, 4, [0, *path])
+        pools.append((kv.target_pool.k.clone(), kv.target_pool.v.clone(), calls[0]))
+    moved = sum(path != list(range(1, len(path) + 1)) for path in paths)
+    (k0, v0, copies), (k1, v1, batched_copies) = pools
+    assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    assert (copies, batched_copies) == (moved, min(moved, 1))

@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent / "refengine"
 ALLOWED = ("scheduler.py", "output.py", "memory/")
 # Mutators by the object they are called on (the receiver's last name).
 MUTATORS = {
-    "kv": {"assign_row", "extend", "commit", "commit_path", "truncate", "reserve", "reserved",
-           "unclaim", "release", "retract", "lend", "keep", "free_kept", "scoring"},
+    "kv": {"assign_row", "extend", "grow", "commit", "commit_path", "truncate", "reserve",
+           "reserved", "unclaim", "release", "retract", "lend", "keep", "free_kept", "scoring"},
     "allocator": {"alloc_pages", "free_pages"},
     "rows": {"alloc_row", "free_row"},
 }

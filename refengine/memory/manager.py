@@ -15,7 +15,7 @@ resolve phase (``OutputProcessor``, sessions: commit and release) only
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
@@ -52,6 +52,7 @@ class KVManager:
         self.target_pool = KVPool(num_pages * page_size, layers, kv_heads, head_dim, dtype, device)
         self.draft_pool = (KVPool(num_pages * page_size, draft_layers, kv_heads, head_dim, dtype,
                                 device) if draft_layers else None)
+        self._moves: tuple[list[int], list[int]] | None = None  # inside batched_moves
 
     @property
     def device(self) -> torch.device:
@@ -78,7 +79,17 @@ class KVManager:
         return True
 
     def extend(self, req: Req, new_tokens: int) -> torch.Tensor:
-        """Reserve slots for the next ``new_tokens`` positions; returns their slot ids."""
+        """Reserve slots for the next ``new_tokens`` positions; -> those positions of the row
+        table (their slot ids; a view, which inside ``batched_writes`` holds them only once
+        the block has ended)."""
+        start = req.kv_allocated_len
+        self.grow(req, new_tokens)
+        assert req.row is not None
+        return self.rows.table[req.row, start:start + new_tokens]
+
+    def grow(self, req: Req, new_tokens: int) -> None:
+        """``extend`` for a caller that does not read the slots (the schedule phase's
+        reservations: no view of the table made per request)."""
         ps, start = self.page_size, req.kv_allocated_len
         end = start + new_tokens
         if end > self.rows.max_context_len:
@@ -94,9 +105,13 @@ class KVManager:
         slot_list = list(range(first, first + tail))
         for page in pages:
             slot_list.extend(range(page * ps, page * ps + ps))
-        slots = self.rows.assign(req.row, start, slot_list[:new_tokens])
+        self.rows.assign(req.row, start, slot_list[:new_tokens])
         req.kv_allocated_len = end
-        return slots
+
+    def batched_writes(self) -> AbstractContextManager[None]:
+        """The row-table writes of every ``extend`` inside as one device write at its end
+        (``ReqToTokenPool.batched_writes``): what the schedule phase wraps its batch in."""
+        return self.rows.batched_writes()
 
     def block_slots(self, reqs: list[Req], starts: list[int], tokens: int) -> torch.Tensor:
         """``[len(reqs), tokens]``: the slots of positions ``starts[i] ..`` of each request,
@@ -147,12 +162,42 @@ class KVManager:
         """Move the KV of the accepted block offsets ``nodes`` (root first) of a verify block
         written at positions ``start ..`` to the contiguous positions ``start, start + 1, ..``.
         A chain's path already sits there. Lengths are not touched (the overlap path commits
-        one step later)."""
-        if nodes != list(range(len(nodes))):
-            src = self.rows.table[req.row, [start + j for j in nodes]]
-            dst = self.rows.table[req.row, start: start + len(nodes)]
-            self.target_pool.k[:, dst] = self.target_pool.k[:, src]
-            self.target_pool.v[:, dst] = self.target_pool.v[:, src]
+        one step later). Inside ``batched_moves`` the copy waits for the block's end."""
+        if nodes == list(range(len(nodes))):
+            return
+        assert req.row is not None
+        host = self.rows.host[req.row]  # equal to the device table (``ReqToTokenPool``)
+        src = [host[start + j] for j in nodes]
+        dst = [host[start + i] for i in range(len(nodes))]
+        if self._moves is None:
+            self._copy_slots(src, dst)
+        else:
+            self._moves[0].extend(src)
+            self._moves[1].extend(dst)
+
+    @contextmanager
+    def batched_moves(self) -> Iterator[None]:
+        """Every ``move_path`` inside as one gather and one scatter per pool tensor at the end
+        (also when the block raises): a batch of tree paths resolved together, where a copy per
+        request costs a GPU about six launches. Requests hold disjoint slots, so their moves
+        commute; one request's sources are all read before its destinations are written, as
+        in a copy of its own."""
+        if self._moves is not None:  # nested: the outer block copies
+            yield
+            return
+        self._moves = ([], [])
+        try:
+            yield
+        finally:
+            (src, dst), self._moves = self._moves, None
+            if src:
+                self._copy_slots(src, dst)
+
+    def _copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """The target pool's KV of slots ``src`` into slots ``dst`` (all read, then written)."""
+        moves = from_host([src, dst], self.device)
+        self.target_pool.k[:, moves[1]] = self.target_pool.k[:, moves[0]]
+        self.target_pool.v[:, moves[1]] = self.target_pool.v[:, moves[0]]
 
     def top_up(self, req: Req, reservation: DecodeReservation) -> int:
         """Positions past its allocation ``reserve`` will add for ``req``."""
@@ -165,7 +210,7 @@ class KVManager:
         ahead of the step's resolution)."""
         need = self.top_up(req, reservation)
         if need:
-            self.extend(req, need)
+            self.grow(req, need)
         if reservation.preclaim_root:
             self.commit(req, 1)
 
@@ -174,8 +219,9 @@ class KVManager:
         """``reqs`` (committed, in no step) reserved as for a decode step, for a probe that runs
         a step's forwards outside the loop; on exit a pre-claim is undone (the allocation
         stays: the caller truncates it)."""
-        for req in reqs:
-            self.reserve(req, reservation)
+        with self.batched_writes():
+            for req in reqs:
+                self.reserve(req, reservation)
         try:
             yield
         finally:

@@ -5,12 +5,17 @@ most one live request; freeing a free row raises.
 
 The table lives on the engine's device (every forward gathers its keys through it); a host copy,
 one ``array`` of slots per row, answers the scheduler's reads (a page's next slot, the pages to
-free) without a round-trip to the device. ``assign`` is the one writer and keeps both equal.
+free) without a round-trip to the device. ``assign`` is the one writer and keeps both equal:
+the host copy at once, the device table at once or, inside ``batched_writes``, in one write
+when the block ends (a step's schedule phase assigns slots to every request of the batch, and
+a write per request costs a GPU a host-to-device copy and a kernel launch each).
 """
 
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -26,18 +31,41 @@ class ReqToTokenPool:
         self.host = [array("q", bytes(8 * max_context_len)) for _ in range(rows + 1)]
         self._free: list[int] = list(range(rows, 0, -1))
         self._is_free = bytearray([0]) + bytearray([1]) * rows
+        self._queued: list[tuple[int, int, list[int]]] | None = None  # inside batched_writes
 
     @property
     def free_rows(self) -> int:
         return len(self._free)
 
-    def assign(self, row: int, start: int, slots: list[int]) -> torch.Tensor:
-        """Positions ``start, start + 1, ..`` of ``row`` hold ``slots`` (table and host copy);
-        -> the slots as a tensor on the table's device."""
+    def assign(self, row: int, start: int, slots: list[int]) -> None:
+        """Positions ``start, start + 1, ..`` of ``row`` hold ``slots`` (host copy at once,
+        device table at once or at the end of ``batched_writes``)."""
         self.host[row][start:start + len(slots)] = array("q", slots)
-        values = from_host(slots, self.table.device)
-        self.table[row, start:start + len(slots)] = values
-        return values
+        if self._queued is None:
+            self.table[row, start:start + len(slots)] = from_host(slots, self.table.device)
+        else:
+            self._queued.append((row, start, slots))
+
+    @contextmanager
+    def batched_writes(self) -> Iterator[None]:
+        """Every ``assign`` inside reaches the device table in one write at the end (also when
+        the block raises: the host copy already holds them). Positions written twice in one
+        block would race in the one write; the callers assign each position once (a request's
+        new positions lie past its allocation, which every assign advances)."""
+        if self._queued is not None:  # nested: the outer block writes
+            yield
+            return
+        self._queued = []
+        try:
+            yield
+        finally:
+            queued, self._queued = self._queued, None
+            if queued:
+                rows = [row for row, _, slots in queued for _ in slots]
+                columns = [start + j for _, start, slots in queued for j in range(len(slots))]
+                packed = from_host([rows, columns, [s for *_, slots in queued for s in slots]],
+                                   self.table.device)
+                self.table.index_put_((packed[0], packed[1]), packed[2])
 
     def alloc_row(self) -> int | None:
         if not self._free:

@@ -109,10 +109,11 @@ class Overlap:
     def advance(self, reqs: list[Req], accepted: list[list[int]]) -> None:
         """Inside the launched step: move each accepted path's KV to the positions after its
         root (a tensor write into slots the request holds) and root the next step there."""
-        for req, nodes in zip(reqs, accepted, strict=True):
-            root = self.seq[req.rid]
-            self.kv.move_path(req, root, nodes)
-            self.seq[req.rid] = root + len(nodes)
+        with self.kv.batched_moves():
+            for req, nodes in zip(reqs, accepted, strict=True):
+                root = self.seq[req.rid]
+                self.kv.move_path(req, root, nodes)
+                self.seq[req.rid] = root + len(nodes)
 
     def drop(self, rid: str) -> None:
         self.seq.pop(rid, None)
