@@ -1,4 +1,4 @@
-"""Torch ops per engine step in each phase, outside the graph runner's replays, by op name.
+"""Torch ops called per engine step in each phase, outside the graph runner's replays, by name.
 
     python benchmarks/phase_ops.py [--lanes plain,eagle-chain,eagle-tree,mtp-chain,mtp-tree]
                                    [--batch 32] [--tokens 24] [--graphs none|replay]
@@ -7,11 +7,11 @@ On a GPU every op the host issues outside a graph costs a dispatch, and most a k
 or a copy: a phase whose op count grows with the batch (an op or two per request) is host work
 a graph cannot remove, and the ops between a step's replays are what keeps a graphed step
 above its kernels. Counting them needs no GPU: the profiler (CPU activity) records every
-``aten::`` op inside ranges put around the engine's phases (its clock's: schedule, prefill,
-decode, draft, verify, extend; and resolve, which in sequential mode holds the worker's
-draft-extend) for one batch run to ``--tokens`` new tokens each, after a warm-up run of the
-same prompts. With ``--graphs replay`` the ops inside the executor's run (one graph launch on
-a GPU) are left out; the staging copies around it count.
+top-level ``aten::`` op (not the ops inside another) inside ranges put around the engine's
+phases (its clock's: schedule, prefill, decode, draft, verify, extend; and resolve, which in
+sequential mode holds the worker's draft-extend) for one batch run to ``--tokens`` new tokens
+each, after a warm-up run of the same prompts. With ``--graphs replay`` the ops inside the
+executor's run (one graph launch on a GPU) are left out; the staging copies around it count.
 """
 
 from __future__ import annotations
@@ -91,8 +91,12 @@ def count(lane: str, batch: int, tokens: int, graphs: bool
             steps += 1
     events = prof.events()
     replays = [(e.time_range.start, e.time_range.end) for e in events if e.name == "replay"]
-    outside = [e for e in events if e.name.startswith("aten::") and not any(
-        a <= e.time_range.start and e.time_range.end <= b for a, b in replays)]
+    # Top-level ops only (an op's inner ops, ``to``'s ``copy_``, cost no dispatch of their own
+    # from Python), outside any replay.
+    outside = [e for e in events if e.name.startswith("aten::")
+               and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))
+               and not any(a <= e.time_range.start and e.time_range.end <= b
+                           for a, b in replays)]
     ops: dict[str, Counter[str]] = {}
     for phase in sorted({e.name[6:] for e in events if e.name.startswith("phase:")}):
         spans = [(e.time_range.start, e.time_range.end) for e in events

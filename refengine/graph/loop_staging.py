@@ -95,4 +95,5 @@ class LoopStaging:
         """One buffer's real rows and padding (an extension point: the bug zoo skips one)."""
         if value is not None:
             buf[:raw].copy_(value)
-        buf[raw:bucket] = self.fields[name].fill
+        if raw < bucket:  # a full bucket has no padded rows: skip the empty fill's dispatch
+            buf[raw:bucket] = self.fields[name].fill

@@ -74,10 +74,10 @@ class GraphBatch(ForwardBatch):
     @classmethod
     def tag(cls, batch: ForwardBatch, rows: list[int], seq_lens: list[int],
             tree_mask: torch.Tensor | None = None) -> GraphBatch:
-        device = batch.input_ids.device
+        packed = from_host([rows, seq_lens], batch.input_ids.device)  # one copy for both
         return cls(**{f.name: getattr(batch, f.name) for f in fields(ForwardBatch)},
-                   rows=from_host(rows, device), seq_lens=from_host(seq_lens, device),
-                   tree_mask=tree_mask, host_seq_lens=seq_lens)
+                   rows=packed[0], seq_lens=packed[1], tree_mask=tree_mask,
+                   host_seq_lens=seq_lens)
 
 
 class GraphRunner:

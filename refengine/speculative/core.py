@@ -207,9 +207,11 @@ class SpeculativeWorker:
                                          outcome.features.dtype, outcome.features.device)
         n, device = outcome.features.shape[1], outcome.features.device
         lens = [len(outcome.nodes[i]) for i in keep]
-        flat = from_host([i * n + j for i in keep for j in outcome.nodes[i]], device)
-        return DraftExtendInput(outcome.features.flatten(0, 1)[flat],
-                                from_host([t for i in keep for t in outcome.emitted[i]], device),
+        # A node emits one token (the accepted drafts, then the bonus), so the feature rows and
+        # the tokens pair up and travel in one copy.
+        packed = from_host([[i * n + j for i in keep for j in outcome.nodes[i]],
+                            [t for i in keep for t in outcome.emitted[i]]], device)
+        return DraftExtendInput(outcome.features.flatten(0, 1)[packed[0]], packed[1],
                                 from_host(lens, device), lens)
 
     def install_next(self, reqs: list[Req], accepted: DraftExtendInput) -> None:

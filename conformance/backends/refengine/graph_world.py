@@ -17,6 +17,7 @@ allocations.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ class World:
     reqs: list[Req]
     pools: list[torch.Tensor]
     table: torch.Tensor
+    host_table: list[array[int]]  # the row table's host copy, restored with it
     allocator: AllocatorState
     rows_free: int
 
@@ -241,7 +243,8 @@ class ProbeWorld:
     def _snapshot(self, seed: int, reqs: list[Req]) -> World:
         """The engine's state now, as the world of ``seed`` whose requests are ``reqs``."""
         return World(seed, reqs, [p.clone() for p in self._pools()], self.kv.rows.table.clone(),
-                     self.kv.allocator.backup_state(), self.kv.rows.free_rows)
+                     [row[:] for row in self.kv.rows.host], self.kv.allocator.backup_state(),
+                     self.kv.rows.free_rows)
 
     @property
     def device(self) -> torch.device:
@@ -272,6 +275,8 @@ class ProbeWorld:
         for pool, saved in zip(self._pools(), world.pools, strict=True):
             pool.copy_(saved)
         self.kv.rows.table.copy_(world.table)
+        for row, saved_row in zip(self.kv.rows.host, world.host_table, strict=True):
+            row[:] = saved_row  # the host copy stays equal to the table (``ReqToTokenPool``)
 
     def _check_rolled_back(self, world: World) -> None:
         if (self.kv.allocator.backup_state() != world.allocator
