@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -293,3 +294,20 @@ def test_batched_moves_leave_the_pool_as_a_copy_per_path_would(data: st.DataObje
     (k0, v0, copies), (k1, v1, batched_copies) = pools
     assert torch.equal(k0, k1) and torch.equal(v0, v1)
     assert (copies, batched_copies) == (moved, min(moved, 1))
+
+
+def test_batched_blocks_hold_back_only_their_own_threads_work() -> None:
+    """An overlap step's launch thread moves KV while the engine's thread resolves inside its
+    own block: the other thread's move and write happen at once, not at this block's end."""
+    kv = make_manager(1, pool_tokens=128)
+    req, other = make_req(kv, "r0"), make_req(kv, "r1")
+    kv.extend(req, 8)
+    kv.target_pool.k.normal_()
+    with kv.batched_moves(), kv.batched_writes():
+        worker = threading.Thread(target=lambda: (kv.move_path(req, 0, [0, 3]),
+                                                  kv.extend(other, 4)))
+        worker.start()
+        worker.join()
+        slots = row_slots(kv, req)
+        assert torch.equal(kv.target_pool.k[:, slots[1]], kv.target_pool.k[:, slots[3]])
+        assert row_slots(kv, other) == list(kv.rows.host[other.row][:4])

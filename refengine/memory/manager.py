@@ -14,6 +14,7 @@ resolve phase (``OutputProcessor``, sessions: commit and release) only
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
@@ -52,7 +53,9 @@ class KVManager:
         self.target_pool = KVPool(num_pages * page_size, layers, kv_heads, head_dim, dtype, device)
         self.draft_pool = (KVPool(num_pages * page_size, draft_layers, kv_heads, head_dim, dtype,
                                 device) if draft_layers else None)
-        self._moves: tuple[list[int], list[int]] | None = None  # inside batched_moves
+        # The moves queued by this thread's ``batched_moves`` block: per thread, since an
+        # overlap step's launch thread moves KV while the engine's thread resolves.
+        self._pending = threading.local()
 
     @property
     def device(self) -> torch.device:
@@ -171,11 +174,12 @@ class KVManager:
         host = self.rows.host[req.row]  # equal to the device table (``ReqToTokenPool``)
         src = [host[start + j] for j in nodes]
         dst = [host[start + i] for i in range(len(nodes))]
-        if self._moves is None:
+        queued: tuple[list[int], list[int]] | None = getattr(self._pending, "moves", None)
+        if queued is None:
             self._copy_slots(src, dst)
         else:
-            self._moves[0].extend(src)
-            self._moves[1].extend(dst)
+            queued[0].extend(src)
+            queued[1].extend(dst)
 
     @contextmanager
     def batched_moves(self) -> Iterator[None]:
@@ -183,15 +187,17 @@ class KVManager:
         (also when the block raises): a batch of tree paths resolved together, where a copy per
         request costs a GPU about six launches. Requests hold disjoint slots, so their moves
         commute; one request's sources are all read before its destinations are written, as
-        in a copy of its own."""
-        if self._moves is not None:  # nested: the outer block copies
+        in a copy of its own. Per thread: only this thread's moves wait for its block."""
+        if getattr(self._pending, "moves", None) is not None:  # nested: the outer block copies
             yield
             return
-        self._moves = ([], [])
+        src: list[int] = []
+        dst: list[int] = []
+        self._pending.moves = src, dst
         try:
             yield
         finally:
-            (src, dst), self._moves = self._moves, None
+            self._pending.moves = None
             if src:
                 self._copy_slots(src, dst)
 

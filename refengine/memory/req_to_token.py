@@ -13,6 +13,7 @@ a write per request costs a GPU a host-to-device copy and a kernel launch each).
 
 from __future__ import annotations
 
+import threading
 from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,7 +32,7 @@ class ReqToTokenPool:
         self.host = [array("q", bytes(8 * max_context_len)) for _ in range(rows + 1)]
         self._free: list[int] = list(range(rows, 0, -1))
         self._is_free = bytearray([0]) + bytearray([1]) * rows
-        self._queued: list[tuple[int, int, list[int]]] | None = None  # inside batched_writes
+        self._pending = threading.local()  # this thread's ``batched_writes`` queue, if any
 
     @property
     def free_rows(self) -> int:
@@ -41,25 +42,28 @@ class ReqToTokenPool:
         """Positions ``start, start + 1, ..`` of ``row`` hold ``slots`` (host copy at once,
         device table at once or at the end of ``batched_writes``)."""
         self.host[row][start:start + len(slots)] = array("q", slots)
-        if self._queued is None:
+        queued: list[tuple[int, int, list[int]]] | None = getattr(self._pending, "writes", None)
+        if queued is None:
             self.table[row, start:start + len(slots)] = from_host(slots, self.table.device)
         else:
-            self._queued.append((row, start, slots))
+            queued.append((row, start, slots))
 
     @contextmanager
     def batched_writes(self) -> Iterator[None]:
         """Every ``assign`` inside reaches the device table in one write at the end (also when
         the block raises: the host copy already holds them). Positions written twice in one
         block would race in the one write; the callers assign each position once (a request's
-        new positions lie past its allocation, which every assign advances)."""
-        if self._queued is not None:  # nested: the outer block writes
+        new positions lie past its allocation, which every assign advances). Per thread: only
+        this thread's assignments wait for its block."""
+        if getattr(self._pending, "writes", None) is not None:  # nested: the outer block writes
             yield
             return
-        self._queued = []
+        queued: list[tuple[int, int, list[int]]] = []
+        self._pending.writes = queued
         try:
             yield
         finally:
-            queued, self._queued = self._queued, None
+            self._pending.writes = None
             if queued:
                 rows = [row for row, _, slots in queued for _ in slots]
                 columns = [start + j for _, start, slots in queued for j in range(len(slots))]
