@@ -27,20 +27,16 @@ from dataclasses import asdict, dataclass
 import torch
 
 from conformance.bench.device import kernel_time
-from conformance.bench.lanes import load_prompts
-from conformance.plan.specs import SPECS
-from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
+from conformance.bench.lanes import (
+    ENGINE_LANES,
+    load_prompts,
+    parse_batch_sizes,
+    parse_engine_lanes,
+)
+from refengine import Engine, EngineConfig, SamplingParams
 from refengine.events import FinishEvent, TokenEvent
 
 RIDS = itertools.count()
-
-LANES: dict[str, SpecConfig | None] = {
-    "plain": None,
-    "eagle-chain": SPECS["eagle"].configs[0],
-    "eagle-tree": SPECS["eagle-tree"].configs[0],
-    "mtp-chain": SPECS["mtp"].configs[0],
-}
-
 
 @dataclass
 class Profiled:
@@ -90,7 +86,7 @@ def host_ops(engine: Engine, prompts: list[tuple[int, ...]], tokens: int, top: i
 
 
 def measure(lane: str, graphs: bool, batch: int, tokens: int, top_ops: int) -> Profiled:
-    engine = Engine(EngineConfig(spec=LANES[lane], device="cuda", cuda_graph=graphs,
+    engine = Engine(EngineConfig(spec=ENGINE_LANES[lane], device="cuda", cuda_graph=graphs,
                                  max_running_requests=max(batch, 1), kv_pool_tokens=16384))
     prompts = load_prompts("tiny-code", batch)
     run(engine, prompts, tokens)  # warm-up: captures every key this workload replays
@@ -119,14 +115,11 @@ def main() -> None:
     parser.add_argument("--host-ops", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    lanes = args.lanes.split(",")
-    unknown = [lane for lane in lanes if lane not in LANES]
-    if unknown:
-        parser.error(f"--lanes: unknown {', '.join(unknown)} (known: {', '.join(LANES)})")
     try:
-        batches = [int(b) for b in args.batch_sizes.split(",")]
-    except ValueError:
-        parser.error(f"--batch-sizes: comma-separated integers, got {args.batch_sizes!r}")
+        lanes = parse_engine_lanes(args.lanes)
+        batches = parse_batch_sizes(args.batch_sizes)
+    except ValueError as err:
+        parser.error(str(err))
     if not torch.cuda.is_available():
         raise SystemExit("gpu_profile: error: needs a CUDA device")
     rows = []

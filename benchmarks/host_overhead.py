@@ -28,20 +28,17 @@ from typing import Any
 
 import torch
 
-from conformance.bench.lanes import load_prompts, parse_batch_sizes
-from conformance.plan.specs import SPECS
-from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
+from conformance.bench.lanes import (
+    ENGINE_LANES,
+    load_prompts,
+    parse_batch_sizes,
+    parse_engine_lanes,
+)
+from refengine import Engine, EngineConfig, SamplingParams
 from refengine.events import FinishEvent, TokenEvent
 
 RIDS = itertools.count()
 PACKAGE_RANGE = "aot package call"
-
-LANES: dict[str, SpecConfig | None] = {
-    "plain": None,
-    "eagle-chain": SPECS["eagle"].configs[0],
-    "mtp-chain": SPECS["mtp"].configs[0],
-}
-
 
 @dataclass
 class HostCost:
@@ -83,7 +80,7 @@ def kernel_seconds(events: Any) -> float:
 
 
 def measure(lane: str, graphs: str, batch: int, tokens: int, repeats: int) -> HostCost:
-    engine = Engine(EngineConfig(spec=LANES[lane], max_running_requests=batch,
+    engine = Engine(EngineConfig(spec=ENGINE_LANES[lane], max_running_requests=batch,
                                  cuda_graph=graphs != "none",
                                  graph_executor=None if graphs == "none" else graphs,
                                  kv_pool_tokens=16384))
@@ -122,7 +119,7 @@ def wrap_package_calls() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lanes", default=",".join(LANES))
+    parser.add_argument("--lanes", default="plain,eagle-chain,mtp-chain")
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--graphs", default="none", choices=("none", "replay", "aot"))
     parser.add_argument("--tokens", type=int, default=64)
@@ -130,11 +127,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
-    lanes = [name.strip() for name in args.lanes.split(",") if name.strip()]
-    unknown = [name for name in lanes if name not in LANES]
-    if unknown:
-        parser.error(f"--lanes: unknown {', '.join(unknown)}; one of {', '.join(LANES)}")
     try:
+        lanes = parse_engine_lanes(args.lanes)
         sizes = parse_batch_sizes(args.batch_sizes)
     except ValueError as err:
         parser.error(str(err))

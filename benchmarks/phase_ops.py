@@ -25,21 +25,12 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from conformance.bench.lanes import load_prompts
-from conformance.plan.specs import SPECS
-from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
+from conformance.bench.lanes import ENGINE_LANES, load_prompts, parse_engine_lanes
+from refengine import Engine, EngineConfig, SamplingParams
 from refengine.clock import PhaseClock
 from refengine.events import FinishEvent
 from refengine.graph.replay import ReplayExecutor
 from refengine.output import OutputProcessor
-
-LANES: dict[str, SpecConfig | None] = {
-    "plain": None,
-    "eagle-chain": SPECS["eagle"].configs[0],
-    "eagle-tree": SPECS["eagle-tree"].configs[0],
-    "mtp-chain": SPECS["mtp"].configs[0],
-    "mtp-tree": SPECS["mtp"].configs[1],
-}
 
 
 @contextmanager
@@ -76,7 +67,7 @@ def count(lane: str, batch: int, tokens: int, graphs: bool
           ) -> tuple[int, dict[str, Counter[str]]]:
     """-> (engine steps, per phase the aten ops inside it and outside any replay, by name)
     for one profiled run."""
-    engine = Engine(EngineConfig(spec=LANES[lane], max_running_requests=batch,
+    engine = Engine(EngineConfig(spec=ENGINE_LANES[lane], max_running_requests=batch,
                                  kv_pool_tokens=32768, cuda_graph=graphs,
                                  graph_executor="replay" if graphs else None))
     prompts = [list(p) for p in load_prompts("tiny-code", batch)]
@@ -108,15 +99,15 @@ def count(lane: str, batch: int, tokens: int, graphs: bool
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lanes", default="plain,eagle-chain,eagle-tree,mtp-tree")
+    parser.add_argument("--lanes", default=",".join(ENGINE_LANES))
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--graphs", choices=("none", "replay"), default="none")
     args = parser.parse_args()
-    lanes = args.lanes.split(",")
-    unknown = [lane for lane in lanes if lane not in LANES]
-    if unknown:
-        parser.error(f"--lanes: unknown {', '.join(unknown)} (known: {', '.join(LANES)})")
+    try:
+        lanes = parse_engine_lanes(args.lanes)
+    except ValueError as err:
+        parser.error(str(err))
     if args.batch < 1 or args.tokens < 1:
         parser.error("--batch and --tokens: at least 1")
     torch.set_num_threads(1)

@@ -12,7 +12,7 @@ from conformance.bench import lanes as bench_lanes
 from conformance.bench import measure
 from conformance.bench import result as bench_result_module
 from conformance.bench.device import DeviceMeter
-from conformance.bench.lanes import parse_batch_sizes
+from conformance.bench.lanes import ENGINE_LANES, parse_batch_sizes, parse_engine_lanes
 from conformance.bench.measure import run_bench
 from conformance.bench.result import (
     BackendTiming,
@@ -177,6 +177,15 @@ def test_graph_lanes_sit_beside_their_eager_twins(random_model_dir: Path) -> Non
     assert result.backends == ["refengine", "refengine+replay"]
     assert result.rows[0].results["refengine+replay"].total_tokens == 2 * 4
     assert any("refengine+replay: batch 2 warm-up" in line for line in recorder.lines)
+
+
+def test_parse_engine_lanes() -> None:
+    """The engine benchmarks' --lanes: names of the shared table, in the order given."""
+    assert parse_engine_lanes("mtp-chain, plain") == ["mtp-chain", "plain"]
+    assert ENGINE_LANES["plain"] is None and ENGINE_LANES["eagle-chain"] is not None
+    for bad in ("", "plain,nope", ","):
+        with pytest.raises(ValueError, match="--lanes"):
+            parse_engine_lanes(bad)
 
 
 def test_parse_batch_sizes() -> None:

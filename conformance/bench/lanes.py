@@ -36,6 +36,28 @@ def parse_batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+# The lanes the engine benchmarks (benchmarks/gpu_profile.py, host_overhead.py, phase_ops.py)
+# name on their command lines: plain decoding, or the first shapes of a spec.
+ENGINE_LANES: dict[str, SpecConfig | None] = {
+    "plain": None,
+    "eagle-chain": SPECS["eagle"].configs[0],
+    "eagle-tree": SPECS["eagle-tree"].configs[0],
+    "mtp-chain": SPECS["mtp"].configs[0],
+    "mtp-tree": SPECS["mtp"].configs[1],
+}
+
+
+def parse_engine_lanes(text: str) -> list[str]:
+    """``"plain,eagle-chain"`` -> the names, each a key of ``ENGINE_LANES``; ValueError naming
+    the flag and the unknown names otherwise."""
+    lanes = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in lanes if name not in ENGINE_LANES]
+    if unknown or not lanes:
+        raise ValueError(f"--lanes: unknown {', '.join(unknown) or 'none given'}; one or more "
+                         f"of {', '.join(ENGINE_LANES)}")
+    return lanes
+
+
 def load_prompts(model: str, count: int) -> list[tuple[int, ...]]:
     """The first ``count`` default prompts as token ids, cycling through the set if needed."""
     cases = load_prompt_set("default", model)
