@@ -12,13 +12,14 @@ batches its captured graphs replay (its staging and draft loop make their own).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from refengine.device import from_host
 from refengine.memory.manager import KVManager
-from refengine.model.attention import AttentionMetadata
+from refengine.model.attention import AttentionMetadata, LazyAttention
 from refengine.model.eagle import EagleDraftModel
 from refengine.model.eagle3 import Eagle3DraftModel, EagleHead
 from refengine.model.frozen_kv_mtp import FrozenKVMTPDraftModel
@@ -121,20 +122,22 @@ class ModelRunner:
     # --- target ---------------------------------------------------------------------------
 
     def prepare_extend(self, reqs: list[Req], lens: list[int], ids: list[int],
-                       sample_at: list[int]) -> ForwardBatch:
+                       sample_at: list[int], lazy_attention: bool = False) -> ForwardBatch:
         """A prefill chunk or a plain decode step: request i runs its next ``lens[i]`` tokens
         (its slice of ``ids``) from its committed end, into the slots the scheduler allocated
-        for them; logits are wanted at the flat rows ``sample_at``."""
+        for them; logits are wanted at the flat rows ``sample_at``. ``lazy_attention``: a
+        uniform batch's metadata is built on first use (``LazyAttention``; the graph runner's
+        batches)."""
         starts = [r.kv_committed_len for r in reqs]
-        slots = [self.kv.position_slots(r, s, n) for r, s, n in zip(reqs, starts, lens,
-                                                                     strict=True)]
+        ends = [s + n for s, n in zip(starts, lens, strict=True)]
         return ForwardBatch(
             input_ids=self._tensor(ids),
             positions=self._tensor([p for s, n in zip(starts, lens, strict=True)
                                     for p in range(s, s + n)]),
-            out_slots=torch.cat(slots),
-            attention=self.attention_metadata(self._rows(reqs), lens,
-                                              [s + n for s, n in zip(starts, lens, strict=True)]),
+            out_slots=self.kv.run_slots(reqs, starts, lens),
+            attention=self._attention(
+                lambda: self.attention_metadata(self._rows(reqs), lens, ends),
+                lazy_attention and len(set(lens)) == 1),
             logits_index=self._tensor(sample_at))
 
     def prepare_score(self, req: Req, ids: list[int], slots: torch.Tensor, last_only: bool
@@ -146,15 +149,22 @@ class ModelRunner:
                             self._tensor([n - 1]) if last_only else None)
 
     def prepare_verify(self, reqs: list[Req], verify_input: VerifyInput, slots: torch.Tensor,
-                       causal: bool) -> ForwardBatch:
+                       causal: bool, lazy_attention: bool = False) -> ForwardBatch:
         """The verify block: request i's ``N`` nodes at positions ``root + depth`` writing the
-        slots ``slots[i]``; a chain's tree mask is causal, the metadata's default."""
+        slots ``slots[i]``; a chain's tree mask is causal, the metadata's default.
+        ``lazy_attention`` as for ``prepare_extend`` (a verify batch is always uniform)."""
         b, n = verify_input.draft_tokens.shape
         roots = verify_input.root_positions()
-        meta = self.attention_metadata(self._rows(reqs), [n] * b, [s + n for s in roots],
-                                       None if causal else list(verify_input.tree_mask))
+        meta = self._attention(
+            lambda: self.attention_metadata(self._rows(reqs), [n] * b, [s + n for s in roots],
+                                            None if causal else list(verify_input.tree_mask)),
+            lazy_attention)
         return ForwardBatch(verify_input.draft_tokens.reshape(-1),
                             verify_input.positions.reshape(-1), slots.reshape(-1), meta)
+
+    @staticmethod
+    def _attention(build: Callable[[], AttentionMetadata], lazy: bool) -> AttentionMetadata:
+        return LazyAttention(build) if lazy else build()
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         return self.target(batch, self.kv.target_pool)

@@ -5,6 +5,7 @@ from."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from refengine.model.attention import (
     AttentionMetadata,
+    LazyAttention,
     padded_attention,
     paged_attention,
     visible_keys,
@@ -129,3 +131,24 @@ def test_build_places_custom_masks_after_the_prefix() -> None:
         assert meta.mask[b, 0, :, :end - 3].all()
         assert torch.equal(meta.mask[b, 0, :, end - 3:end], tree)
         assert not meta.mask[b, 0, :, end:].any()
+
+
+def test_lazy_attention_builds_once_on_first_use() -> None:
+    """``LazyAttention`` is the builder's metadata, built on the first field read and only then;
+    a ragged batch's metadata is refused (its padding needs the unpad index up front)."""
+    table = torch.arange(2 * 16).view(2, 16)
+    calls: list[int] = []
+
+    def build(lens: list[int]) -> AttentionMetadata:
+        calls.append(1)
+        return AttentionMetadata.build(table, torch.tensor([1, 0]), lens, [7, 10])
+
+    lazy = LazyAttention(lambda: build([2, 2]))
+    assert lazy.ragged is None and lazy.unpad_index is None and not calls
+    want = build([2, 2])
+    assert torch.equal(lazy.mask, want.mask) and torch.equal(lazy.kv_slots, want.kv_slots)
+    assert torch.equal(lazy.at_queries(torch.tensor([1])).mask, want.at_queries(
+        torch.tensor([1])).mask)
+    assert len(calls) == 2  # the reference build, and the lazy one once
+    with pytest.raises(ValueError, match="ragged"):
+        _ = LazyAttention(lambda: build([1, 2])).mask

@@ -46,6 +46,7 @@ from refengine.graph.staging import (
 )
 from refengine.graph.target import GraphKey, TargetForward
 from refengine.memory.manager import KVManager
+from refengine.model.attention import AttentionMetadata
 from refengine.model.llama import LlamaForCausalLM
 from refengine.runner import ModelRunner
 
@@ -233,7 +234,9 @@ def test_staged_attention(probe: RefGraphProbe, kind: str) -> None:
             meta = static_attention(views["rows"][:key.bucket], views["seq_lens"][:key.bucket],
                                     views["tree_mask"][:key.bucket], probe.kv.rows.table,
                                     key.max_kv)
-        want = batch.attention
+            # What eager shows the batch, built now (the metadata is built on first use): the
+            # world, row table included, is restored when the block ends.
+            want = AttentionMetadata(batch.attention.kv_slots, batch.attention.mask)
         width = want.mask.shape[-1]
         assert torch.equal(meta.mask[:raw, ..., :width], want.mask)
         assert not meta.mask[:raw, ..., width:].any()
@@ -290,6 +293,38 @@ def test_fallbacks(probe: RefGraphProbe) -> None:
     with probe.requests(2) as two:
         # A verify batch on a runner without a verify kind.
         assert not GraphRunner(runner).can_run(verify_batch(probe, graph, two, 0, True))
+
+
+
+def test_graphed_batches_never_build_eager_attention(probe: RefGraphProbe,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode or verify batch the graph replays derives its attention from the staged views:
+    its eager metadata is never built (host work, a launch per op on a GPU). A batch that falls
+    back builds it on first use, the same metadata the plain runner builds."""
+    runner = probe.runner
+    graph = GraphRunner(runner, max_bs=4, verify_tokens=N)
+    built: list[int] = []
+    eager_build = ModelRunner.attention_metadata
+
+    def counting(self: ModelRunner, *args: Any, **kwargs: Any) -> Any:
+        built.append(1)
+        return eager_build(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "attention_metadata", counting)
+    batches = [lambda reqs: decode_batch(probe, graph, reqs, 0),
+               lambda reqs: verify_batch(probe, graph, reqs, 0, True),
+               lambda reqs: verify_batch(probe, graph, reqs, 0, False)]
+    for make_batch in batches:
+        with probe.requests(3) as reqs:  # one batch per world: its allocations roll back
+            batch = make_batch(reqs)
+            assert graph.can_run(batch)
+            graph.forward(batch)
+    assert not built
+    with probe.requests(6) as reqs:  # more than the largest bucket: eager
+        batch = verify_batch(probe, graph, reqs, 0, False)
+        assert not built and not graph.can_run(batch)
+        assert torch.equal(graph.forward(batch).logits, runner.forward(batch).logits)
+        assert len(built) == 1  # built once, on first use
 
 
 def test_narrow_key_width_matches_eager(make_probe: MakeProbe) -> None:

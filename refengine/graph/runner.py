@@ -3,8 +3,9 @@ bucket-padded buffers.
 
 It wraps a ``ModelRunner`` and implements the same ``Runner`` protocol: the ``prepare_*``
 methods build every batch through the wrapped runner and tag decode/verify batches with what
-staging needs (request rows, lengths, tree mask); ``forward`` stages a batch it has a bucket
-for, runs the executor on the target's static forward (``TargetForward``: a replay builds its
+staging needs (request rows, lengths, tree mask), their eager attention metadata built only if
+an eager forward reads it (``LazyAttention``); ``forward`` stages a batch it has a bucket for,
+runs the executor on the target's static forward (``TargetForward``: a replay builds its
 own batch over the staged views, its attention derived from them), and slices the real rows
 back out; anything else falls back to the wrapped runner's eager forward. With a draft model,
 ``draft_loop`` (``draft_loop.py``) replays a whole draft step on the same buckets and key
@@ -205,13 +206,14 @@ class GraphRunner:
     def prepare_extend(self, reqs: list[Req], lens: list[int], ids: list[int],
                        sample_at: list[int]) -> ForwardBatch:
         starts = [r.kv_committed_len for r in reqs]  # before the wrapped runner extends
-        batch = self.runner.prepare_extend(reqs, lens, ids, sample_at)
+        batch = self.runner.prepare_extend(reqs, lens, ids, sample_at, lazy_attention=True)
         return GraphBatch.tag(batch, [r.row for r in reqs],
                               [s + n for s, n in zip(starts, lens, strict=True)])
 
     def prepare_verify(self, reqs: list[Req], verify_input: VerifyInput, slots: torch.Tensor,
                        causal: bool) -> ForwardBatch:
-        batch = self.runner.prepare_verify(reqs, verify_input, slots, causal)
+        batch = self.runner.prepare_verify(reqs, verify_input, slots, causal,
+                                           lazy_attention=True)
         n = verify_input.draft_tokens.shape[1]
         return GraphBatch.tag(batch, [r.row for r in reqs],
                               [root + n for root in verify_input.root_positions()],

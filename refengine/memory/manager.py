@@ -128,12 +128,17 @@ class KVManager:
                                                                           strict=True)],
                          self.device)
 
-    def position_slots(self, req: Req, start: int, tokens: int) -> torch.Tensor:
-        """The slots of positions ``start .. start + tokens - 1`` of ``req``, which it holds."""
-        if start + tokens > req.kv_allocated_len:
-            raise RuntimeError(f"request {req.rid!r}: positions up to {start + tokens} asked, "
-                               f"only {req.kv_allocated_len} allocated")
-        return self.rows.table[req.row, start:start + tokens]
+    def run_slots(self, reqs: list[Req], starts: list[int], lens: list[int]) -> torch.Tensor:
+        """Flat, in request order: the slots of positions ``starts[i] .. starts[i] + lens[i] -
+        1`` of each request, which it holds. Read from the table's host copy like
+        ``block_slots``: one copy for the batch, not a view and a gather per request."""
+        runs = []
+        for r, s, n in zip(reqs, starts, lens, strict=True):
+            if s + n > r.kv_allocated_len:
+                raise RuntimeError(f"request {r.rid!r}: positions up to {s + n} asked, "
+                                   f"only {r.kv_allocated_len} allocated")
+            runs.extend(self.rows.host[r.row][s:s + n])
+        return from_host(runs, self.device)
 
     @contextmanager
     def scoring(self, req: Req, tokens: int) -> Iterator[torch.Tensor]:

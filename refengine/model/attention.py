@@ -15,7 +15,9 @@ request and layer cost far more than the padding's idle lanes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -112,6 +114,36 @@ class AttentionMetadata:
         mask = self.mask.view(batch * max_q, max_kv).index_select(0, padded)
         kv_slots = self.kv_slots.index_select(0, padded // max_q)
         return AttentionMetadata(kv_slots, mask[:, None, None, :])
+
+
+class LazyAttention(AttentionMetadata):
+    """The metadata of a uniform batch (every request brings the same number of new tokens:
+    decode, verify), built on first use. A graphed forward derives its own attention from the
+    staged rows and lengths and never reads this, so building it up front would be host work
+    (about a dozen ops and two copies, a launch each on a GPU) for nothing; an eager forward,
+    or a draft forward that reuses the target batch's metadata, builds it when it reads a
+    field. ``build`` must give a uniform batch's metadata (not ragged) from state that does
+    not change before the batch's forward (the row table's rows for its requests)."""
+
+    def __init__(self, build: Callable[[], AttentionMetadata]) -> None:
+        self._build = build
+        self.unpad_index = None  # uniform: no padded rows, one block
+        self.ragged = None
+
+    @cached_property
+    def built(self) -> AttentionMetadata:
+        meta = self._build()
+        if meta.ragged is not None:
+            raise ValueError("LazyAttention: the batch is ragged; build its metadata eagerly")
+        return meta
+
+    @property  # type: ignore[override]
+    def kv_slots(self) -> torch.Tensor:
+        return self.built.kv_slots
+
+    @property  # type: ignore[override]
+    def mask(self) -> torch.Tensor:
+        return self.built.mask
 
 
 def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
