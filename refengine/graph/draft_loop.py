@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from refengine.device import from_host
 from refengine.graph.loop_staging import LoopStaging
 from refengine.graph.loops import GraphOutput, LoopKey, LoopProgram, LoopViews
 from refengine.graph.program import Executor, copy_out
@@ -95,12 +94,13 @@ class DraftLoopGraph:
         # A replay's outputs may be overwritten by the next one: hand out copies.
         return copy_out(out) if self.executor.outputs_persist else out
 
-    def extend(self, rows: torch.Tensor, ends: list[int], accepted: DraftExtendInput
-               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def extend(self, rows: torch.Tensor, ends: torch.Tensor, longest: int,
+               accepted: DraftExtendInput) -> tuple[torch.Tensor, torch.Tensor] | None:
         """An "extend:eagle" graph run from the eager draft-extend's inputs: request i's
-        accepted tokens and features (flat, in request order) end before ``ends[i]``; they are
-        right-aligned in ``N`` columns, the front padded (token 0, zero features, the dummy
-        slot). None when the graph does not take the batch."""
+        accepted tokens and features (flat, in request order) end before ``ends[i]``
+        (``longest``: the largest, from the host); they are right-aligned in ``N`` columns,
+        the front padded (token 0, zero features, the dummy slot). None when the graph does
+        not take the batch."""
         assert self.kind == "extend:eagle"
         b, n = rows.shape[0], self.staging.buffers["ids"].shape[1]
         if b == 0 or max(accepted.host_lens()) > n:
@@ -113,11 +113,10 @@ class DraftLoopGraph:
         padded_ids = ids.new_zeros((b, n)).masked_scatter_(real, ids)
         padded_hidden = hidden.new_zeros((b, n, hidden.shape[-1])).masked_scatter_(
             real[..., None], hidden)
-        ends_on_device = from_host(ends, rows.device)
-        positions = (ends_on_device[:, None] - n + columns).clamp_(min=0)
+        positions = (ends[:, None] - n + columns).clamp_(min=0)
         slots = self.table[rows[:, None], positions].masked_fill_(~real, DUMMY_SLOT)
         found = self.run({"ids": padded_ids, "hidden": padded_hidden, "rows": rows,
-                          "ends": ends_on_device, "slots": slots}, max(ends))
+                          "ends": ends, "slots": slots}, longest)
         assert found is None or isinstance(found, tuple)
         return found
 

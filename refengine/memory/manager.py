@@ -119,14 +119,17 @@ class KVManager:
     def block_slots(self, reqs: list[Req], starts: list[int], tokens: int) -> torch.Tensor:
         """``[len(reqs), tokens]``: the slots of positions ``starts[i] ..`` of each request,
         which it already holds (a verify block allocated or reserved before its step)."""
-        if not reqs:
-            return torch.empty((0, tokens), dtype=torch.int64, device=self.device)
         # Read from the table's host copy (equal to it: ``ReqToTokenPool``): one copy to the
         # device instead of two and a gather there.
+        return from_host(self.block_slot_lists(reqs, starts, tokens),
+                         self.device).reshape(len(reqs), tokens)
+
+    def block_slot_lists(self, reqs: list[Req], starts: list[int], tokens: int
+                         ) -> list[list[int]]:
+        """``block_slots`` on the host, from the table's host copy (for a caller that copies
+        them to the device together with other small lists)."""
         host = self.rows.host
-        return from_host([host[r.row][s:s + tokens].tolist() for r, s in zip(reqs, starts,
-                                                                          strict=True)],
-                         self.device)
+        return [host[r.row][s:s + tokens].tolist() for r, s in zip(reqs, starts, strict=True)]
 
     def run_slots(self, reqs: list[Req], starts: list[int], lens: list[int]) -> torch.Tensor:
         """Flat, in request order: the slots of positions ``starts[i] .. starts[i] + lens[i] -

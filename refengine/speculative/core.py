@@ -80,16 +80,22 @@ class SpeculativeWorker:
 
     def reserved_slots(self, reqs: list[Req], tokens: int) -> torch.Tensor:
         """``[len(reqs), tokens]`` reserved slots from each root on."""
+        return from_host(self.reserved_slot_lists(reqs, tokens),
+                         self.kv.device).reshape(len(reqs), tokens)
+
+    def reserved_slot_lists(self, reqs: list[Req], tokens: int) -> list[list[int]]:
+        """``reserved_slots`` on the host."""
         roots = self.roots(reqs)
         short = [r.rid for r, s in zip(reqs, roots, strict=True)
                  if s + tokens > r.kv_allocated_len]
         if short:
             raise RuntimeError(f"requests {short} have no reservation for {tokens} positions "
                                "past their root")
-        return self.kv.block_slots(reqs, roots, tokens)
+        return self.kv.block_slot_lists(reqs, roots, tokens)
 
     def draft_step(self, reqs: list[Req]) -> DraftStep:
-        return DraftStep(reqs, self.roots(reqs), lambda tokens: self.reserved_slots(reqs, tokens),
+        return DraftStep(reqs, self.roots(reqs),
+                         lambda tokens: self.reserved_slot_lists(reqs, tokens),
                          self.kv.device)
 
     @contextmanager

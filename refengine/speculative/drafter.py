@@ -31,12 +31,13 @@ State = TypeVar("State")
 @dataclass(frozen=True)
 class DraftStep:
     """One decode step's requests as a drafter sees them: each request's root position (the
-    newest emitted token, whose KV the verify writes), ``slots(tokens)``, the
-    ``[len(reqs), tokens]`` reserved slots from each root on, and the engine's device."""
+    newest emitted token, whose KV the verify writes), ``slot_lists(tokens)``, each request's
+    reserved slots for ``tokens`` positions from its root on (host lists), and the engine's
+    device."""
 
     reqs: list[Req]
     roots: list[int]
-    slots: Callable[[int], torch.Tensor]
+    slot_lists: Callable[[int], list[list[int]]]
     device: torch.device
 
     @property
@@ -47,6 +48,18 @@ class DraftStep:
     def root_positions(self) -> torch.Tensor:
         """``roots`` on the device."""
         return from_host(self.roots, self.device)
+
+    def slots(self, tokens: int) -> torch.Tensor:
+        """``[len(reqs), tokens]``: ``slot_lists(tokens)`` on the device."""
+        return from_host(self.slot_lists(tokens), self.device).reshape(len(self.reqs), tokens)
+
+    def rows_roots_slots(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``rows``, ``root_positions`` and ``slots(tokens)`` in one copy to the device: what
+        a graphed draft step stages (three copies, each a transfer on a GPU, otherwise)."""
+        packed = from_host([[r.row, root, *slots] for r, root, slots in
+                            zip(self.reqs, self.roots, self.slot_lists(tokens), strict=True)],
+                           self.device).reshape(len(self.reqs), tokens + 2)
+        return packed[:, 0], packed[:, 1], packed[:, 2:]
 
 
 class ExtendForward(Protocol):

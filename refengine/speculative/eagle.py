@@ -84,10 +84,10 @@ class EagleDrafter:
                      ) -> LoopOutput | None:
         """The whole draft loop replayed on static buffers, the scratch slots staged with the
         rest."""
+        rows, roots, scratch = step.rows_roots_slots(self.scratch_positions)
         return loop.run({"topk_p": state.topk_p, "topk_index": state.topk_index,
-                         "hidden": state.hidden_states, "rows": step.rows,
-                         "roots": step.root_positions,
-                         "scratch": step.slots(self.scratch_positions)}, max(step.roots))
+                         "hidden": state.hidden_states, "rows": rows, "roots": roots,
+                         "scratch": scratch}, max(step.roots))
 
     def eager_search(self, step: DraftStep, state: DraftInput) -> LoopOutput:
         """``search``: the chain for ``topk == 1`` (no beam, score or mask bookkeeping), else
@@ -136,4 +136,5 @@ class EagleDrafter:
     def graph_extend(self, step: DraftStep, accepted: DraftExtendInput, graph: DraftLoopGraph
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``eager_extend`` replayed by ``graph``; None when it does not take the batch."""
-        return graph.extend(step.rows, step.roots, accepted)
+        rows, roots, _ = step.rows_roots_slots(0)  # the accepted runs end at the roots
+        return graph.extend(rows, roots, max(step.roots, default=0), accepted)

@@ -69,8 +69,9 @@ class FrozenKVMTPDrafter:
                      ) -> LoopOutput | None:
         """The graph runner's loop folds the seed in as iteration 0: it takes the bonus
         tokens and target features as they are, and produces the first candidates itself."""
+        rows, seq_lens, _ = step.rows_roots_slots(0)
         return loop.run({"bonus_tokens": state.bonus_tokens, "hidden": state.hidden_states,
-                         "rows": step.rows, "seq_lens": step.root_positions}, max(step.roots))
+                         "rows": rows, "seq_lens": seq_lens}, max(step.roots))
 
     def eager_search(self, step: DraftStep, state: SeedInput) -> LoopOutput:
         """The seed iteration turns the state into the first candidates (what EAGLE's
