@@ -107,6 +107,8 @@ class CudaGraphs(OwnThread):
 
 def _copy_into(static: Any, fresh: Any) -> None:
     """Write ``fresh`` (a call's result) into ``static`` (the first call's), same structure."""
+    if static is None:  # an optional output the program does not produce
+        return
     if isinstance(static, torch.Tensor):
         static.copy_(fresh)
     elif isinstance(static, tuple):

@@ -89,6 +89,7 @@ class GraphRunner:
 
     staging_class: type[Staging] = Staging  # the bug zoo swaps in a broken padding
     draft_loop_class: type[DraftLoopGraph] = DraftLoopGraph  # ... or a broken draft loop
+    target_forward_class: type[TargetForward] = TargetForward  # ... or a broken verify walk
 
     def __init__(self, runner: ModelRunner, executor: str | TargetExecutor = "replay",
                  max_bs: int | None = None, verify_tokens: int | None = None,
@@ -112,7 +113,10 @@ class GraphRunner:
             self.kinds["verify"] = verify_tokens
         self.staging = {kind: self.staging_class(self.sizes[-1], q, table.device)
                         for kind, q in self.kinds.items()}
-        self.program = TargetForward(runner)
+        # A verify key walks its trees inside the graph (greedy accept on the device), to
+        # the speculative steps' depth.
+        walk_depth = None if draft_steps is None or "verify" not in self.kinds else draft_steps[1]
+        self.program = self.target_forward_class(runner, walk_depth)
         self.executor = (self.executor_for(executor) if isinstance(executor, str)
                          else executor)
         # The whole draft step as one graph, for a runner with a draft model (``draft_steps``
@@ -259,12 +263,14 @@ class GraphRunner:
             out = self.executor.run(key, views)
             tokens = raw * views.q
             logits, features = out.logits[:tokens], out.features[:tokens]
+            walk = None if out.walk is None else out.walk[:raw]
             if self.executor.outputs_persist:
                 # The next run overwrites them: hand out copies, never the executor's memory.
                 logits, features = logits.clone(), features.clone()
+                walk = None if walk is None else walk.clone()
             if batch.logits_index is not None:
                 logits = logits.index_select(0, batch.logits_index)
-        return ForwardOutput(logits, features)
+        return ForwardOutput(logits, features, walk)
 
     def capture_pending(self) -> None:
         """Prepare the keys a launch thread needed first (it ran them eagerly: a CUDA-graph

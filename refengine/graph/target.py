@@ -20,6 +20,7 @@ from refengine.graph.compile import InPlaceKV
 from refengine.graph.export import open_limits, register_tables
 from refengine.graph.program import PackageSpec
 from refengine.graph.staging import StagedViews, static_attention
+from refengine.kernels.tree_static import greedy_walk_static
 from refengine.model.llama import ForwardBatch, ForwardOutput, LlamaForCausalLM
 from refengine.runner import ModelRunner
 
@@ -30,17 +31,31 @@ class GraphKey(NamedTuple):
     max_kv: int   # key columns every request's attention spans
 
 
+def verify_walk(logits: torch.Tensor, input_ids: torch.Tensor, tree_mask: torch.Tensor,
+                depth: int) -> torch.Tensor:
+    """The greedy walk of a staged verify bucket's trees (``greedy_walk_static``) over its
+    logits: ``[bucket, depth + 3]``."""
+    b, q = tree_mask.shape[:2]
+    return greedy_walk_static(input_ids.view(b, q), tree_mask, logits.argmax(-1).view(b, q),
+                              depth)
+
+
 # Tensors (and modules) only as arguments, no StagedViews: Dynamo would specialise on its ints
 # (the raw size).
 def whole_forward(model: LlamaForCausalLM, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
                   rows: torch.Tensor, seq_lens: torch.Tensor, tree_mask: torch.Tensor,
-                  table: torch.Tensor, max_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's forward over a staged bucket, every write through ``refengine::write_kv``."""
+                  table: torch.Tensor, max_kv: int, walk_depth: int | None
+                  ) -> tuple[torch.Tensor, ...]:
+    """The model's forward over a staged bucket, every write through ``refengine::write_kv``;
+    with ``walk_depth`` (a verify key) the greedy walk too."""
     attention = static_attention(rows, seq_lens, tree_mask, table, max_kv)
     normed, drafted = model.features(input_ids, positions, attention, out_slots,
                                      InPlaceKV(k_pool, v_pool))
-    return model.logits(normed), drafted
+    logits = model.logits(normed)
+    if walk_depth is None:
+        return logits, drafted
+    return logits, drafted, verify_walk(logits, input_ids, tree_mask, walk_depth)
 
 
 class KeyForward(torch.nn.Module):
@@ -48,51 +63,64 @@ class KeyForward(torch.nn.Module):
     feature tap's, registered here so a package's weights digest covers them; the pools,
     staged views and row table are its inputs)."""
 
-    def __init__(self, model: LlamaForCausalLM, max_kv: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, max_kv: int, walk_depth: int | None) -> None:
         super().__init__()
-        self.model, self.max_kv = model, max_kv
+        self.model, self.max_kv, self.walk_depth = model, max_kv, walk_depth
         if isinstance(model.feature_tap, torch.nn.Module):
             self.add_module("feature_tap", model.feature_tap)
         register_tables(self, model.rotary)
 
-    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``inputs``: the pools, the staged views and the row table, in ``whole_forward``'s
         order."""
-        return whole_forward(self.model, *inputs, self.max_kv)
+        return whole_forward(self.model, *inputs, self.max_kv, self.walk_depth)
 
 
 class TargetForward:
-    """The target's decode and verify keys over ``runner``'s model, KV pool and row table."""
+    """The target's decode and verify keys over ``runner``'s model, KV pool and row table.
+    With ``walk_depth`` (the speculative steps S), a verify key also walks its trees on the
+    device (``verify_walk``): the step then reads the accepted path with the rest of its
+    results, and no kernel runs for it outside the graph."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+    def __init__(self, runner: ModelRunner, walk_depth: int | None = None) -> None:
+        self.runner, self.walk_depth = runner, walk_depth
         self.model, self.kv, self.table = runner.target, runner.kv.target_pool, runner.kv.rows.table
+
+    def depth(self, key: GraphKey) -> int | None:
+        """The walk depth of ``key``'s forward: None for decode (nothing to walk)."""
+        return self.walk_depth if key.kind == "verify" else None
 
     def run(self, key: GraphKey, views: StagedViews) -> ForwardOutput:
         """The model's own forward over the padded static views (what a graph captures)."""
         attention = static_attention(views.rows, views.seq_lens, views.tree_mask, self.table,
                                      key.max_kv)
-        return self.runner.forward(ForwardBatch(views.input_ids, views.positions,
-                                                views.out_slots, attention))
+        out = self.runner.forward(ForwardBatch(views.input_ids, views.positions,
+                                               views.out_slots, attention))
+        depth = self.depth(key)
+        if depth is not None:
+            out.walk = verify_walk(out.logits, views.input_ids, views.tree_mask, depth)
+        return out
 
     def module(self, key: GraphKey) -> torch.nn.Module:
-        return KeyForward(self.model, key.max_kv)
+        return KeyForward(self.model, key.max_kv, self.depth(key))
 
     def weights(self) -> torch.nn.Module:
-        return KeyForward(self.model, 0)
+        return KeyForward(self.model, 0, None)
 
     def inputs(self, views: StagedViews) -> list[torch.Tensor]:
         return [self.kv.k, self.kv.v, views.input_ids, views.positions, views.out_slots,
                 views.rows, views.seq_lens, views.tree_mask, self.table]
 
     def outputs(self, tensors: Sequence[torch.Tensor]) -> ForwardOutput:
-        logits, features = tensors
-        return ForwardOutput(logits, features)
+        return ForwardOutput(*tensors)
 
     def package(self, key: GraphKey, views: StagedViews) -> PackageSpec:
-        """``decode-b8-kv256``, ``verify-n4-b8-kv256``: a verify key names its tokens per
-        request; its forwards multiply bucket times that many rows."""
+        """``decode-b8-kv256``, ``verify-n4-b8-kv256``, ``verify-n4-s3-b8-kv256``: a verify
+        key names its tokens per request and the depth of the walk baked into it; its
+        forwards multiply bucket times that many rows."""
         pool, table = open_limits()
         tokens = f"-n{views.q}" if views.q > 1 else ""
-        return PackageSpec(f"{key.kind}{tokens}-b{key.bucket}-kv{key.max_kv}",
+        depth = self.depth(key)
+        walk = "" if depth is None else f"-s{depth}"
+        return PackageSpec(f"{key.kind}{tokens}{walk}-b{key.bucket}-kv{key.max_kv}",
                            key.bucket * views.q, [pool, pool, *[None] * 6, table])

@@ -51,13 +51,20 @@ def greedy_verify_lists(tokens: torch.Tensor, next_token: torch.Tensor,
     """The greedy tree walk (``verify_tree_greedy_reference``'s contract) with its results on
     the host: ``(tokens, accept_index, accept_len, bonus)`` as Python lists, the tree's tokens
     included (resolve emits them). One device-to-host transfer on either path."""
-    n = tokens.shape[1]
     if tree_kernels(tokens) == "triton":
         result = verify_tree_greedy_triton(tokens, next_token, next_sibling, target_predict,
                                            max_depth)
-        host = torch.cat([tokens, result.accept_index, result.accept_len[:, None],
-                          result.bonus[:, None]], dim=1).tolist()
-        return ([row[:n] for row in host], [row[n:n + max_depth + 1] for row in host],
-                [row[-2] for row in host], [row[-1] for row in host])
+        return walk_lists(tokens, torch.cat([result.accept_index, result.accept_len[:, None],
+                                             result.bonus[:, None]], dim=1))
     lists = torch.stack([tokens, next_token, next_sibling, target_predict]).tolist()
     return (lists[0], *greedy_walk(*lists, max_depth))
+
+
+def walk_lists(tokens: torch.Tensor, walk: torch.Tensor) -> GreedyLists:
+    """A walk already made on the device (``walk [b, S + 3]``: accepted nodes, their count,
+    the bonus, as ``tree_static.greedy_walk_static`` packs them) with the tree's tokens
+    ``[b, N]``, as ``greedy_verify_lists`` returns them: one device-to-host transfer."""
+    n = tokens.shape[1]
+    host = torch.cat([tokens, walk], dim=1).tolist()
+    return ([row[:n] for row in host], [row[n:-2] for row in host],
+            [row[-2] for row in host], [row[-1] for row in host])

@@ -201,6 +201,9 @@ class LlamaBody(nn.Module):
 class ForwardOutput:
     logits: torch.Tensor          # [wanted tokens, vocab], float32
     features: torch.Tensor        # [tokens, hidden]: what the drafter reads (``drafted``)
+    # A verify graph's greedy walk over its tree, ``[requests, S + 3]``
+    # (``kernels.tree_static``); None from every other forward.
+    walk: torch.Tensor | None = None
 
 
 class FeatureTap(Protocol):

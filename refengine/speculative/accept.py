@@ -3,7 +3,8 @@
 This is the only place that decides it. Greedy requests walk the tree from the root, at each
 node following the first child (in sibling order) whose token equals the target's argmax there,
 for at most ``num_steps`` drafts; the bonus is the target's argmax after the last accepted node
-(``kernels.tree_reference.greedy_walk``; on a GPU its Triton kernel, ``kernels.dispatch``).
+(``kernels.tree_reference.greedy_walk``; on a GPU its Triton kernel, ``kernels.dispatch``; in a
+graphed verify the graph itself walks, ``kernels.tree_static``, and the host reads the result).
 Sampled requests use tree speculative sampling (``speculative.verify.verify_tree_sampling``):
 each child is accepted with probability ``p/q``, a rejection draws from the residual, so every
 emitted token follows the target's distribution exactly. ``sample_path`` is passed in so a
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refengine.kernels.dispatch import greedy_verify_lists
+from refengine.kernels.dispatch import greedy_verify_lists, walk_lists
 from refengine.request import Req
 from refengine.sampler import sampling_probs
 from refengine.speculative.inputs import VerifyInput
@@ -39,14 +40,21 @@ SamplePath = Callable[[Req, VerifyInput, int, torch.Tensor], SampledPath]
 
 
 def accept(reqs: list[Req], verify_input: VerifyInput, logits: torch.Tensor, num_steps: int,
-           sample_path: SamplePath) -> tuple[list[list[int]], list[list[int]]]:
+           sample_path: SamplePath, walk: torch.Tensor | None = None
+           ) -> tuple[list[list[int]], list[list[int]]]:
     """``logits [b, N, V]`` of the verify forward -> per request the accepted block offsets
-    (root first) and the tokens they emit (accepted drafts, then the bonus)."""
+    (root first) and the tokens they emit (accepted drafts, then the bonus). ``walk``: the
+    greedy walk the verify graph already made on the device (``kernels.tree_static``), used
+    instead of walking here."""
     # Python lists once for the whole batch, in one transfer: per-element tensor reads cost
     # an op each (and a host sync each on a GPU).
-    draft_tokens, accept_index, accept_len, bonus = greedy_verify_lists(
-        verify_input.draft_tokens, verify_input.retrieve_next_token,
-        verify_input.retrieve_next_sibling, torch.argmax(logits, dim=-1), num_steps)
+    if walk is not None:
+        draft_tokens, accept_index, accept_len, bonus = walk_lists(verify_input.draft_tokens,
+                                                                   walk)
+    else:
+        draft_tokens, accept_index, accept_len, bonus = greedy_verify_lists(
+            verify_input.draft_tokens, verify_input.retrieve_next_token,
+            verify_input.retrieve_next_sibling, torch.argmax(logits, dim=-1), num_steps)
     paths, emitted = [], []
     for i, req in enumerate(reqs):
         if req.params.greedy:

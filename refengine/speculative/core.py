@@ -186,7 +186,7 @@ class SpeculativeWorker:
             reqs, verify_input, self.reserved_slots(reqs, n), causal=self.spec.topk == 1))
         logits = out.logits.view(len(reqs), n, -1)
         nodes, emitted = accept(reqs, verify_input, logits, self.spec.num_steps,
-                                self.sample_path)
+                                self.sample_path, out.walk)
         return VerifyOutcome(nodes, emitted, out.features.view(len(reqs), n, -1), verify_input)
 
     def sample_path(self, req: Req, verify_input: VerifyInput, row: int, probs: torch.Tensor

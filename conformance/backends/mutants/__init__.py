@@ -49,6 +49,7 @@ from conformance.backends.mutants.eagle3 import (
 from conformance.backends.mutants.graph import (
     BonusTokensNotRestaged,
     ExtendPaddingNotRestaged,
+    GraphWalkBonusAfterRoot,
     KeyWidthFromFirstRequest,
     KeyWidthIgnoresNewTokens,
     StalePaddedRows,
@@ -184,6 +185,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            spec="eagle",
            graphs="replay",
            killed_by="test_golden.py::test_acceptance_matches_golden[chain-s3-n4]"),
+    Mutant("graph_walk_bonus_after_root", GraphWalkBonusAfterRoot,
+           spec="eagle",
+           graphs="replay",
+           killed_by="test_lossless.py::test_greedy_matches_reference[chain-s3-n4-batch-1]"),
     Mutant("key_width_ignores_new_tokens", KeyWidthIgnoresNewTokens, graphs="replay",
            killed_by="test_graph.py::test_graph_matches_eager_either_side_of_every_key_width"),
     Mutant("key_width_from_first_request", KeyWidthFromFirstRequest, graphs="replay",

@@ -1,6 +1,6 @@
 """Graph-runner mutants: padded rows that keep an earlier replay's values, draft-loop
 buffers staged only at capture, key widths chosen for the cached prefix alone or for the
-first request."""
+first request, a verify graph whose greedy walk takes its bonus from the wrong node."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.graph.loop_staging import LoopStaging
 from refengine.graph.runner import GraphBatch, GraphRunner
 from refengine.graph.staging import DUMMY_SLOT, StagedViews, Staging, StepInputs
-from refengine.graph.target import GraphKey
+from refengine.graph.target import GraphKey, TargetForward
 from refengine.model.llama import ForwardBatch
 
 # --- graph runner -------------------------------------------------------------------------------
@@ -149,3 +149,28 @@ class ExtendPaddingNotRestaged(Engine):
     that KV get worse."""
 
     graph_runner_class = loop_staging_runner(_RealColumnsOnly)
+
+
+class _BonusAfterRootForward(TargetForward):
+    def run(self, key: GraphKey, views: StagedViews) -> Any:
+        out = super().run(key, views)
+        if out.walk is not None:
+            # BUG: the bonus is the target's token after the root, not after the last
+            # accepted node
+            out.walk[:, -1] = out.logits.argmax(-1).view(views.bucket, views.q)[:, 0]
+        return out
+
+
+class _BonusAfterRootGraphRunner(GraphRunner):
+    target_forward_class = _BonusAfterRootForward
+
+
+class GraphWalkBonusAfterRoot(Engine):
+    """Graph walk bonus after the root: the verify graph walks each tree on the device
+    (greedy accept inside the graph), but emits as the bonus the target's token after the
+    root instead of after the last accepted draft. A step that accepts nothing is right; every
+    step that accepts a draft emits a token the target did not choose there (greedy output
+    changes), and only where the graph runner verifies."""
+
+    graph_runner_class = _BonusAfterRootGraphRunner
+
