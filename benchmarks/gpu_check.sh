@@ -2,7 +2,7 @@
 # The device checks, in one script for a GPU machine with the project's runtime already
 # installed (torch with CUDA, triton, pytest, hypothesis, xdist, transformers) and no network:
 # installs the project without dependencies, then runs the GPU tests and the Triton kernels,
-# certify on the device with CUDA graphs, the three graph mutants, the GPU bench and the
+# certify on the device with CUDA graphs, the four graph mutants, the GPU bench and the
 # profiler's account of a step. Everything is written under $WORK (default /tmp/gpu-check);
 # $OUT (default ./gpu-out) gets the summary, the bench and profile JSON and one archive of
 # $WORK (few files: what a device machine sends back is limited in count).
@@ -11,7 +11,7 @@
 #
 # quick: a few minutes (the tests, one spec's certify, one mutant, a short bench, the profile);
 # correctness (about 6 minutes on an H200): every spec's certify beside the GPU tests, the
-# Triton kernels and the three graph mutants; timings (about 6 minutes): the bench table at
+# Triton kernels and the four graph mutants; timings (about 6 minutes): the bench table at
 # batch 1, 8 and 32 and the profile of a step (plain, EAGLE chain, MTP chain at the same batch
 # sizes, with the host ops of a graphed step at batch 1), alone on the machine; full: both,
 # one after the other (over 10 minutes: where one command may run 10 minutes at most, run
@@ -63,6 +63,7 @@ correctness() {
     mutant bonus_tokens_not_restaged mtp test_graph_matches_eager_at_every_size
     mutant stale_padded_rows none test_padded_rows_follow_the_policy
     mutant extend_padding_not_restaged eagle test_acceptance_matches_golden
+    mutant graph_walk_bonus_after_root eagle test_greedy_matches_reference
   ) &
   wait
   tar -czf "$OUT/correctness.tgz" -C "$WORK" .  # in hand even if a later stage overruns
