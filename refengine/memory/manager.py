@@ -116,25 +116,20 @@ class KVManager:
         (``ReqToTokenPool.batched_writes``): what the schedule phase wraps its batch in."""
         return self.rows.batched_writes()
 
-    def block_slots(self, reqs: list[Req], starts: list[int], tokens: int) -> torch.Tensor:
-        """``[len(reqs), tokens]``: the slots of positions ``starts[i] ..`` of each request,
-        which it already holds (a verify block allocated or reserved before its step)."""
-        # Read from the table's host copy (equal to it: ``ReqToTokenPool``): one copy to the
-        # device instead of two and a gather there.
-        return from_host(self.block_slot_lists(reqs, starts, tokens),
-                         self.device).reshape(len(reqs), tokens)
-
     def block_slot_lists(self, reqs: list[Req], starts: list[int], tokens: int
                          ) -> list[list[int]]:
-        """``block_slots`` on the host, from the table's host copy (for a caller that copies
-        them to the device together with other small lists)."""
+        """The slots of positions ``starts[i] .. starts[i] + tokens - 1`` of each request,
+        which it already holds (a verify block or draft scratch reserved before its step), as
+        host lists: read from the table's host copy (equal to it: ``ReqToTokenPool``), so the
+        caller copies them to the device once, with its other small lists, instead of
+        gathering them there."""
         host = self.rows.host
         return [host[r.row][s:s + tokens].tolist() for r, s in zip(reqs, starts, strict=True)]
 
     def run_slots(self, reqs: list[Req], starts: list[int], lens: list[int]) -> torch.Tensor:
         """Flat, in request order: the slots of positions ``starts[i] .. starts[i] + lens[i] -
         1`` of each request, which it holds. Read from the table's host copy like
-        ``block_slots``: one copy for the batch, not a view and a gather per request."""
+        ``block_slot_lists``: one copy for the batch, not a view and a gather per request."""
         runs = []
         for r, s, n in zip(reqs, starts, lens, strict=True):
             if s + n > r.kv_allocated_len:
