@@ -31,6 +31,7 @@ from conformance.checks.graph import (
     check_poisoned_padding,
     check_probe_bounds,
     compare_outputs,
+    near_tie_flips,
 )
 from conformance.cli import main
 from conformance.contract import GraphProbe, KeyWidthProbe, OpenConfig
@@ -363,3 +364,23 @@ def test_the_tier_never_passes_a_check_that_ran_nothing(tmp_path: Path,
     assert "max_context 100" in rows[
         "test_graph_matches_eager_either_side_of_every_key_width"].message
     assert "float_tolerance() inf" in rows["test_graph_matches_eager_at_every_size"].message
+
+
+def _tokens_run(logits: list[list[float]], mode: str) -> GraphRun:
+    t = torch.tensor(logits)
+    return GraphRun(GraphCase("decode", len(logits)), mode, len(logits),  # type: ignore[arg-type]
+                    {"logits": t, "next_tokens": t.argmax(-1)}, {}, {})
+
+
+def test_greedy_tokens_may_flip_only_at_a_near_tie() -> None:
+    """Logits within the tolerance may flip an argmax whose top two are within twice the
+    tolerance (a false failure otherwise, on a near-tie of the model); a token that differs
+    past that fails, and with tolerance 0 (bitwise comparisons) every flip fails."""
+    eager = _tokens_run([[1.0, 0.99995, -3.0], [0.0, 2.0, 1.0]], "eager")
+    flipped = _tokens_run([[1.0, 1.00004, -3.0], [0.0, 2.0, 1.0]], "graph")
+    compare_outputs(flipped, eager, 1e-4, "near tie")
+    assert not near_tie_flips(flipped, eager, 0)
+    far = _tokens_run([[1.0, 0.99995, -3.0], [0.0, 2.0, 2.1]], "graph")
+    assert near_tie_flips(flipped, eager, 1e-4) and not near_tie_flips(far, eager, 1e-4)
+    assert not near_tie_flips(flipped, eager, 1e-5)  # a gap of 5e-5 is past twice 1e-5
+

@@ -78,7 +78,9 @@ class GraphRun:
     """What one run of a case reports.
 
     ``outputs``: the real rows only (integer tensors compared exactly, floats within the
-    probe's ``float_tolerance``). ``initial``/``state``: digests of engine state the real rows
+    probe's ``float_tolerance``; ``next_tokens``, the argmax of ``logits`` where a run reports
+    both, up to near-tie flips that logits within the tolerance may make).
+    ``initial``/``state``: digests of engine state the real rows
     do not own, right before and right after the forward -- the KV pool outside the real rows'
     target slots and outside the reserved dummy page ("kv"; for a kind that writes no KV, the
     whole pool but the dummy page), the request-row table ("request_rows") and the allocators
