@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from conformance.bench.lanes import ENGINE_LANES
 from conformance.checks.oracle import NEAR_TIE_EPSILON, ReferenceOracle
 from conformance.plan.specs import SPECS
 from refengine import Engine, EngineConfig, SamplingParams, SpecConfig
@@ -32,16 +33,13 @@ def share_the_cores() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+# The benchmarks' lanes, and every other algorithm and mode.
 CASES: dict[str, SpecConfig | None] = {
-    "plain": None,
-    "eagle-chain": SPECS["eagle"].configs[0],
-    "eagle-tree": SPECS["eagle-tree"].configs[0],
+    **ENGINE_LANES,
     "eagle-v2-chain": SPECS["eagle-v2"].configs[0],
     "eagle-v2-tree": SPECS["eagle-v2"].configs[1],
     "eagle3-chain": SPECS["eagle3"].configs[0],
     "eagle3-tree": SPECS["eagle3-tree"].configs[0],
-    "mtp-chain": SPECS["mtp"].configs[0],
-    "mtp-tree": SPECS["mtp"].configs[1],
     "draft-model": SPECS["draft-model"].configs[0],
     "ngram": SPECS["ngram"].configs[0],
     "ngram-v2": SpecConfig(algorithm="ngram", num_steps=3, num_draft_tokens=4, overlap=True),
