@@ -120,7 +120,7 @@ class LazyAttention(AttentionMetadata):
     """The metadata of a uniform batch (every request brings the same number of new tokens:
     decode, verify), built on first use. A graphed forward derives its own attention from the
     staged rows and lengths and never reads this, so building it up front would be host work
-    (about a dozen ops and two copies, a launch each on a GPU) for nothing; an eager forward,
+    (ops and host-to-device copies, a launch each on a GPU) for nothing; an eager forward,
     or a draft forward that reuses the target batch's metadata, builds it when it reads a
     field. ``build`` must give a uniform batch's metadata (not ragged) from state that does
     not change before the batch's forward (the row table's rows for its requests)."""
