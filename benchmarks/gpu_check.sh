@@ -62,8 +62,9 @@ correctness() {
     stage kernels 30 $PY -m pytest -q tests/test_tree_triton.py -p no:xdist -p no:cacheprovider
     mutant bonus_tokens_not_restaged mtp test_graph_matches_eager_at_every_size
     mutant stale_padded_rows none test_padded_rows_follow_the_policy
-    mutant extend_padding_not_restaged eagle test_acceptance_matches_golden
-    mutant graph_walk_bonus_after_root eagle test_greedy_matches_reference
+    mutant extend_padding_not_restaged eagle-tree test_acceptance_matches_golden
+    mutant graph_walk_bonus_after_root eagle-tree test_greedy_matches_reference
+    mutant step_root_not_restaged eagle test_greedy_matches_reference
   ) &
   wait
   tar -czf "$OUT/correctness.tgz" -C "$WORK" .  # in hand even if a later stage overruns

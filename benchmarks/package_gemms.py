@@ -24,8 +24,9 @@ import torch
 
 from refengine.data import resolve_model_dir
 from refengine.graph import aot
+from refengine.graph.forward import whole_forward
 from refengine.graph.runner import GraphRunner
-from refengine.graph.target import GraphKey, whole_forward
+from refengine.graph.target import GraphKey
 from refengine.memory.manager import KVManager
 from refengine.model.llama import LlamaForCausalLM
 from refengine.runner import ModelRunner

@@ -1,4 +1,5 @@
-"""PhaseClock: wall seconds per engine phase (schedule, prefill, decode, draft, verify, extend),
+"""PhaseClock: wall seconds per engine phase (schedule, prefill, decode, draft, verify, extend;
+``step``: a speculative step run as one graph),
 accumulated for ``specgate bench``."""
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from refengine.speculative.inputs import DraftExtendInput, VerifyInput
 
 if TYPE_CHECKING:
     from refengine.graph.draft_loop import DraftLoopGraph
+    from refengine.graph.step_graph import StepGraph
 
 DraftNet = EagleDraftModel | Eagle3DraftModel | FrozenKVMTPDraftModel | StandaloneDraftModel
 
@@ -57,6 +58,11 @@ class Runner(Protocol):
     @property
     def draft_extend(self) -> DraftLoopGraph | None:
         """The graph that replays an EAGLE draft-extend; None: it runs eagerly."""
+
+    @property
+    def spec_step(self) -> StepGraph | None:
+        """The graph that replays a whole greedy chain step (draft, verify, walk, EAGLE's
+        draft-extend); None: the worker runs the phases apart."""
 
     def capture_pending(self) -> None:
         """Capture the graphs a launch thread needed first (on the engine's thread)."""
@@ -98,6 +104,7 @@ class ModelRunner:
         # extend forward by forward.
         self.draft_loop: DraftLoopGraph | None = None
         self.draft_extend: DraftLoopGraph | None = None
+        self.spec_step: StepGraph | None = None
 
     @property
     def device(self) -> torch.device:

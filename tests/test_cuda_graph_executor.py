@@ -49,7 +49,8 @@ def captured_keys(engine: Engine) -> int:
     assert isinstance(engine.runner, GraphRunner)
     executor = engine.runner.executor
     assert isinstance(executor, CudaGraphExecutor)
-    loops = [g for g in (engine.runner.draft_loop, engine.runner.draft_extend) if g is not None]
+    loops = [g for g in (engine.runner.draft_loop, engine.runner.draft_extend,
+                         engine.runner.spec_step) if g is not None]
     loop_executors = [loop.executor for loop in loops]
     for loop_executor in loop_executors:  # siblings: the target's recorder, the same pool
         assert isinstance(loop_executor, CudaGraphExecutor)
@@ -143,7 +144,8 @@ def test_launch_thread_leaves_new_keys_to_the_engines_thread(spec_pair: tuple[Pa
     runner = engine.runner
     assert engine._launcher is not None and isinstance(runner, GraphRunner)
     assert isinstance(runner.executor, CudaGraphExecutor)
-    loops = [g for g in (runner.draft_loop, runner.draft_extend) if g is not None]
+    loops = [g for g in (runner.draft_loop, runner.draft_extend, runner.spec_step)
+             if g is not None]
     queued: list[int] = []
     capture_pending = runner.capture_pending
 

@@ -39,9 +39,9 @@ class CountingReplay(ReplayExecutor):  # type: ignore[type-arg]
 
 
 def count_draft_graphs(runner: GraphRunner, keys: Counter[GraphKey]) -> None:
-    """Count the draft loop's and EAGLE's extend graph's replays in ``keys`` too (kinds
-    "draft:eagle"/"draft:mtp", "extend:eagle")."""
-    for graph in (runner.draft_loop, runner.draft_extend):
+    """Count the draft loop's, EAGLE's extend graph's and the one-graph step's replays in
+    ``keys`` too (kinds "draft:eagle"/"draft:mtp", "extend:eagle", "step:eagle-chain")."""
+    for graph in (runner.draft_loop, runner.draft_extend, runner.spec_step):
         if graph is not None:
             count_executes(graph, keys)
 
@@ -86,7 +86,7 @@ def graph_engine(pair: tuple[Path, Path], config: str | None, overlap: bool = Fa
 
 @pytest.mark.parametrize(("config", "overlap", "kinds"), [
     (None, False, {"decode"}),
-    ("chain-s3-n4", False, {"verify", "draft:eagle", "extend:eagle"}),
+    ("chain-s3-n4", False, {"step:eagle-chain"}),  # greedy: every step one graph
     ("tree-s3-k4-n8", False, {"verify", "draft:eagle", "extend:eagle"}),
     ("tree-s3-k4-n8", True, {"verify", "draft:eagle", "extend:eagle"}),
 ])
@@ -117,8 +117,11 @@ def test_mtp_graph_engine_equals_eager(spec_pair: tuple[Path, Path], mtp_dir: Pa
     graphed = engine.generate(SPEC_PROMPTS, STAGGERED)
     assert [o.output_ids for o in graphed] == [o.output_ids for o in eager]
     assert [o.accept_lens for o in graphed] == [o.accept_lens for o in eager]
-    assert {k.kind for k in counting.keys} == {"verify", "draft:mtp"}, counting.keys
-    assert len({k.bucket for k in counting.keys if k.kind == "draft:mtp"}) > 1, counting.keys
+    one_graph = config.startswith("chain") and not overlap  # greedy: every step one graph
+    kind = "step:mtp-chain" if one_graph else "draft:mtp"
+    assert {k.kind for k in counting.keys} == ({kind} if one_graph else {"verify", kind}), \
+        counting.keys
+    assert len({k.bucket for k in counting.keys if k.kind == kind}) > 1, counting.keys
 
 
 def test_seeded_samples_equal_eager(spec_pair: tuple[Path, Path]) -> None:
@@ -144,7 +147,9 @@ def test_graph_executor_is_validated() -> None:
     ("eagle", "chain-s3-n4", "draft:eagle"),
     ("eagle", "tree-s3-k4-n8", "draft:eagle"),
     ("eagle", "chain-s3-n4", "extend:eagle"),
+    ("eagle", "chain-s3-n4", "step:eagle-chain"),
     ("frozen_kv_mtp", "chain-s3-n4", "draft:mtp"),
+    ("frozen_kv_mtp", "chain-s3-n4", "step:mtp-chain"),
     ("frozen_kv_mtp", "tree-s3-k4-n8", "draft:mtp"),
 ])
 def test_draft_loop_kinds_pass_the_graph_properties(spec_pair: tuple[Path, Path],
@@ -162,7 +167,10 @@ def test_draft_loop_kinds_pass_the_graph_properties(spec_pair: tuple[Path, Path]
     engine = (spec_engine(spec_pair, config, overlap, **limits) if algorithm == "eagle"
               else mtp_engine(spec_pair, mtp_dir, config, overlap, **limits))
     probe = RefGraphProbe.for_engine(engine)
-    assert kind in probe.kinds() and probe.writes_kv(kind) == kind.endswith(":eagle")
+    if kind.startswith("step:") and overlap:
+        assert kind not in probe.kinds()  # a V2 worker never runs its steps as one graph
+        return
+    assert kind in probe.kinds() and probe.writes_kv(kind) == (kind != "draft:mtp")
     checks.check_graph_matches_eager(probe, kind, 0)
     checks.check_padding_policy(probe, kind)
     checks.check_poisoned_padding(probe, kind)
@@ -210,7 +218,9 @@ def test_frozen_executors_engine_equals_eager(spec_pair: tuple[Path, Path], mtp_
     params = [SamplingParams(max_new_tokens=12, ignore_eos=True)] * 2
     eager = engine().generate(SPEC_PROMPTS[:2], params)
     want = [(o.output_ids, o.accept_lens) for o in eager]
-    kinds = ({"verify", "draft:eagle", "extend:eagle"} if algorithm == "eagle"
+    one_graph = {"eagle": "step:eagle-chain", "frozen_kv_mtp": "step:mtp-chain"}[algorithm]
+    kinds = ({one_graph} if config.startswith("chain")  # greedy: one graph a step
+             else {"verify", "draft:eagle", "extend:eagle"} if algorithm == "eagle"
              else {"verify", "draft:mtp"})
     for attempt, pool_tokens in (("first", 4096), ("later", 8192)):
         graphs = engine(cuda_graph=True, graph_executor=executor, kv_pool_tokens=pool_tokens)

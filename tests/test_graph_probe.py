@@ -73,7 +73,8 @@ def test_speaks_the_protocol(open_handle: type[RefEngineHandle]) -> None:
     assert isinstance(probe, GraphProbe)
     assert set(REF_PADDED_FIELDS.values()) == set(PADDED_FIELDS)
     assert probe.kinds() == ("decode", "verify-chain", "verify-tree")  # no draft model
-    assert set(KINDS) == {*probe.kinds(), "draft:eagle", "draft:mtp", "extend:eagle"}
+    assert set(KINDS) == {*probe.kinds(), "draft:eagle", "draft:mtp", "extend:eagle",
+                          "step:eagle-chain", "step:mtp-chain"}
     assert probe.buckets() == (1, 2, 4, 8, 10) and probe.max_batch() == 10
     assert all(probe.writes_kv(k) for k in probe.kinds())
     assert probe.padding_policy("decode").length_fill == 1

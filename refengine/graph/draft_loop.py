@@ -25,12 +25,21 @@ from refengine.speculative.draft_search import Candidates
 from refengine.speculative.inputs import DraftExtendInput
 
 
-def _slice(out: GraphOutput, raw: int) -> GraphOutput:
+def _slice(out: Any, raw: int) -> Any:
+    """The real requests' rows of a loop's output (a tensor, a tuple of them, ``Candidates``)."""
     if isinstance(out, Candidates):
         return Candidates(out.scores[:raw], out.tokens[:raw], out.parents[:raw])
     if isinstance(out, tuple):
-        return (out[0][:raw], out[1][:raw])
+        return tuple(t[:raw] for t in out)
     return out[:raw]
+
+
+def feature_shape(draft: EagleHead | FrozenKVMTPDraftModel) -> tuple[int, torch.dtype]:
+    """The width and dtype of the features a draft step carries: an EAGLE head's own, the
+    target's for Frozen-KV MTP."""
+    if isinstance(draft, EagleHead):
+        return draft.config.hidden_size, draft.fc.weight.dtype
+    return draft.config.target_hidden_size, draft.pre_projection.weight.dtype
 
 
 class DraftLoopGraph:
@@ -59,9 +68,8 @@ class DraftLoopGraph:
         self.topk, self.steps = topk, steps
         self.sizes, self.kv_sizes = list(sizes), list(kv_sizes)
         self.kind = ("extend:eagle" if extend_rows else "draft:eagle") if eagle else "draft:mtp"
-        hidden = draft.config.hidden_size if eagle else draft.config.target_hidden_size
+        hidden, dtype = feature_shape(draft)
         dims = {"k": topk, "H": hidden, "scratch": topk * (steps - 1), "N": extend_rows}
-        dtype = draft.fc.weight.dtype if eagle else draft.pre_projection.weight.dtype
         self.staging = self.staging_class(self.kind, self.sizes[-1], dims, dtype, table.device)
         self.program = LoopProgram(self.kind, draft, pool, table, topk, steps,
                                    list(self.staging.fields), extend_rows or topk)
@@ -74,13 +82,18 @@ class DraftLoopGraph:
         key (EAGLE's scratch lies past its root)."""
         if raw == 0 or raw > self.sizes[-1]:
             return None
-        longest += self.topk * (self.steps - 1) if self.kind == "draft:eagle" else 0
+        longest += self.reach()
         if longest > self.kv_sizes[-1]:
             return None
         return (pad_to_bucket(raw, self.sizes),
                 self.kv_sizes[bisect.bisect_left(self.kv_sizes, longest)])
 
-    def run(self, inputs: dict[str, torch.Tensor], longest: int) -> GraphOutput | None:
+    def reach(self) -> int:
+        """Key columns past a request's committed length that the loop's attention spans:
+        EAGLE's scratch lies past its root; MTP reads the prefix only, an extend ends at it."""
+        return self.topk * (self.steps - 1) if self.kind == "draft:eagle" else 0
+
+    def run(self, inputs: dict[str, torch.Tensor], longest: int) -> Any:
         """The step of ``inputs`` (every field of ``LOOP_FIELDS[kind]``); ``longest``: the
         largest of its lengths field, from the host."""
         raw = int(inputs["rows"].shape[0])

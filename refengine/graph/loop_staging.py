@@ -18,7 +18,7 @@ class LoopField:
     """One staged buffer of a draft loop: per-request shape and dtype, and what a padded
     request's entry holds (and why that is harmless)."""
 
-    tail: tuple[str, ...]      # per-request shape, by name: "k", "H", "scratch"
+    tail: tuple[str, ...]      # per-request shape, by name: "k", "H", "scratch", "N"
     dtype: str                 # "int64", "float32", "hidden" (the model's dtype)
     fill: float
     why: str
@@ -50,6 +50,26 @@ LOOP_FIELDS: dict[str, dict[str, LoopField]] = {
         "rows": _ROWS,
         "ends": LoopField((), "int64", 1, "the kept query sits at position 0 and sees column 0 "
                           "of the dummy row only"),
+        "slots": LoopField(("N",), "int64", DUMMY_SLOT, _DUMMY_PAGE),
+    },
+    "step:eagle-chain": {
+        "topk_p": LoopField(("k",), "float32", 1.0, "finite path scores"),
+        "topk_index": LoopField(("k",), "int64", 0, _TOKEN.why),
+        "hidden": _HIDDEN,
+        "verified_id": _TOKEN,
+        "rows": _ROWS,
+        "roots": LoopField((), "int64", 0, "no prefix: the scratch and verify block start at "
+                           "column 0 of the dummy row, whose every slot is the dummy slot"),
+        "slots": LoopField(("N",), "int64", DUMMY_SLOT, _DUMMY_PAGE + " (the draft's scratch, "
+                           "the verify block and the extend all write there)"),
+    },
+    "step:mtp-chain": {
+        "bonus_tokens": _TOKEN,
+        "hidden": _HIDDEN,
+        "rows": _ROWS,
+        "roots": LoopField((), "int64", 1, "the draft's query sits at position 0 and sees "
+                           "column 0 of the dummy row only (a length of 0 would leave it no "
+                           "key: an all-masked softmax); the verify block follows it there"),
         "slots": LoopField(("N",), "int64", DUMMY_SLOT, _DUMMY_PAGE),
     },
     "draft:mtp": {

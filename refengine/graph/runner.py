@@ -10,8 +10,9 @@ own batch over the staged views, its attention derived from them), and slices th
 back out; anything else falls back to the wrapped runner's eager forward. With a draft model,
 ``draft_loop`` (``draft_loop.py``) replays a whole draft step on the same buckets and key
 widths, on a sibling of the target's executor; the workers call it before their eager
-forwards. Everything else (draft prefill and draft-extend forwards, ``kv``, ``target``) is the
-wrapped runner's, each method delegated by name.
+forwards. A greedy chain step also has ``spec_step`` (``step_graph.py``): draft, verify, walk
+(and EAGLE's draft-extend) as one graph. Everything else (draft prefill and draft-extend forwards,
+``kv``, ``target``) is the wrapped runner's, each method delegated by name.
 
 Key width: every key fixes ``max_kv``, the number of key columns each request's attention
 gathers and masks, so the shapes of a replay never depend on the requests' lengths. A batch
@@ -48,6 +49,7 @@ from refengine.graph.staging import (
     kv_widths,
     pad_to_bucket,
 )
+from refengine.graph.step_graph import StepGraph
 from refengine.graph.target import GraphKey, TargetForward
 from refengine.memory.manager import KVManager
 from refengine.model.eagle3 import EagleHead
@@ -90,6 +92,7 @@ class GraphRunner:
     staging_class: type[Staging] = Staging  # the bug zoo swaps in a broken padding
     draft_loop_class: type[DraftLoopGraph] = DraftLoopGraph  # ... or a broken draft loop
     target_forward_class: type[TargetForward] = TargetForward  # ... or a broken verify walk
+    step_graph_class: type[StepGraph] = StepGraph  # ... or a broken one-graph step
 
     def __init__(self, runner: ModelRunner, executor: str | TargetExecutor = "replay",
                  max_bs: int | None = None, verify_tokens: int | None = None,
@@ -124,6 +127,7 @@ class GraphRunner:
         # verify width). A standalone draft model drafts forward by forward.
         self._draft_loop: DraftLoopGraph | None = None
         self._draft_extend: DraftLoopGraph | None = None
+        self._spec_step: StepGraph | None = None
         draft = runner.draft
         if draft_steps is not None and isinstance(draft, EagleHead | FrozenKVMTPDraftModel):
             eagle = isinstance(draft, EagleHead)
@@ -135,6 +139,11 @@ class GraphRunner:
                 self._draft_extend = self.draft_loop_class(
                     draft, pool, table, *draft_steps, self.sizes, self.kv_sizes, self.executor,
                     extend_rows=self.kinds["verify"])
+            # A greedy chain step as one graph (draft, verify, walk, EAGLE's draft-extend).
+            if draft_steps[0] == 1 and "verify" in self.kinds:
+                self._spec_step = self.step_graph_class(
+                    runner.target, draft, runner.kv.target_pool, runner.kv.draft_pool, table,
+                    draft_steps[1], self.sizes, self.kv_sizes, self.executor)
 
     def executor_for(self, name: str) -> TargetExecutor:
         """The registry's executor ``name`` for the target's forward (ValueError for a name
@@ -167,6 +176,12 @@ class GraphRunner:
     @property
     def draft_extend(self) -> DraftLoopGraph | None:
         return self._draft_extend
+
+    @property
+    def spec_step(self) -> StepGraph | None:
+        """The whole greedy chain step (EAGLE, Frozen-KV MTP) as one graph
+        (``step_graph.py``), or None."""
+        return self._spec_step
 
     def prepare_score(self, req: Req, ids: list[int], slots: torch.Tensor, last_only: bool
                       ) -> ForwardBatch:
@@ -278,7 +293,7 @@ class GraphRunner:
         The engine calls it on its own thread before a launch, while nothing else runs."""
         for key in self.executor.pending():
             self.executor.prepare(key, self.staging[key.kind].stage(None, key.bucket))
-        for loop in (self._draft_loop, self._draft_extend):
+        for loop in (self._draft_loop, self._draft_extend, self._spec_step):
             if loop is not None:
                 loop.capture_pending()
 

@@ -19,21 +19,24 @@ from dataclasses import dataclass
 
 import torch
 
-from refengine.kernels.dispatch import greedy_verify_lists, walk_lists
+from refengine.kernels.dispatch import GreedyLists, greedy_verify_lists, walk_lists
 from refengine.request import Req
 from refengine.sampler import sampling_probs
-from refengine.speculative.inputs import VerifyInput
+from refengine.speculative.inputs import DraftInput, SeedInput, VerifyInput
 from refengine.speculative.verify import SampledPath
 
 
 @dataclass
 class VerifyOutcome:
-    """Per request: accepted nodes (root first) and the tokens they emit (drafts + bonus)."""
+    """Per request: accepted nodes (root first) and the tokens they emit (drafts + bonus).
+    A step run as one graph (``refengine/graph/step_graph.py``) brings the drafter's next
+    state instead of the features and tree its draft-extend would start from."""
 
     nodes: list[list[int]]
     emitted: list[list[int]]
-    features: torch.Tensor       # [b, N, H] target features at every tree node
-    verify_input: VerifyInput
+    features: torch.Tensor | None       # [b, N, H] target features at every tree node
+    verify_input: VerifyInput | None
+    next_state: DraftInput | SeedInput | None = None  # every request's, from the graph
 
 
 SamplePath = Callable[[Req, VerifyInput, int, torch.Tensor], SampledPath]
@@ -49,16 +52,16 @@ def accept(reqs: list[Req], verify_input: VerifyInput, logits: torch.Tensor, num
     # Python lists once for the whole batch, in one transfer: per-element tensor reads cost
     # an op each (and a host sync each on a GPU).
     if walk is not None:
-        draft_tokens, accept_index, accept_len, bonus = walk_lists(verify_input.draft_tokens,
-                                                                   walk)
+        walked = walk_lists(verify_input.draft_tokens, walk)
     else:
-        draft_tokens, accept_index, accept_len, bonus = greedy_verify_lists(
+        walked = greedy_verify_lists(
             verify_input.draft_tokens, verify_input.retrieve_next_token,
             verify_input.retrieve_next_sibling, torch.argmax(logits, dim=-1), num_steps)
+    draft_tokens = walked[0]
     paths, emitted = [], []
     for i, req in enumerate(reqs):
         if req.params.greedy:
-            path, last = accept_index[i][: accept_len[i] + 1], bonus[i]
+            path, last = greedy_path(walked, i)
         else:
             # The draws use CPU generators: one copy of the request's distributions to the host.
             sampled = sample_path(req, verify_input, i,
@@ -66,4 +69,23 @@ def accept(reqs: list[Req], verify_input: VerifyInput, logits: torch.Tensor, num
             path, last = sampled.nodes, sampled.bonus
         paths.append(path)
         emitted.append([draft_tokens[i][j] for j in path[1:]] + [last])
+    return paths, emitted
+
+
+def greedy_path(walked: GreedyLists, i: int) -> tuple[list[int], int]:
+    """Request ``i``'s accepted nodes (root first) and bonus token from a walk's lists."""
+    _, accept_index, accept_len, bonus = walked
+    return accept_index[i][: accept_len[i] + 1], bonus[i]
+
+
+def walked_paths(tokens: torch.Tensor, walk: torch.Tensor
+                 ) -> tuple[list[list[int]], list[list[int]]]:
+    """``accept``'s result for a batch of greedy requests whose walk a graph already made
+    (``tokens [b, N]``: the verify tokens, root first; ``walk``: ``greedy_walk_static``'s)."""
+    walked = walk_lists(tokens, walk)
+    paths, emitted = [], []
+    for i, tokens_i in enumerate(walked[0]):
+        path, last = greedy_path(walked, i)
+        paths.append(path)
+        emitted.append([tokens_i[j] for j in path[1:]] + [last])
     return paths, emitted

@@ -31,11 +31,11 @@ from refengine.memory.reservation import DecodeReservation
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
 from refengine.runner import Runner
-from refengine.speculative.accept import VerifyOutcome, accept
+from refengine.speculative.accept import VerifyOutcome, accept, walked_paths
 from refengine.speculative.draft_search import LoopOutput
 from refengine.speculative.draft_state import DraftState, RowState
 from refengine.speculative.drafter import Drafter, DraftStep, ExtendForward
-from refengine.speculative.inputs import DraftExtendInput, VerifyInput
+from refengine.speculative.inputs import DraftExtendInput, DraftInput, SeedInput, VerifyInput
 from refengine.speculative.modes import Overlap, Sequential, StepMode
 from refengine.speculative.tree import ChainTree, verify_input
 from refengine.speculative.verify import SampledPath, verify_tree_sampling
@@ -43,6 +43,7 @@ from refengine.step import StepResult
 
 if TYPE_CHECKING:
     from refengine.graph.draft_loop import DraftLoopGraph
+    from refengine.graph.step_graph import StepGraph, StepOutput
 
 
 class SpeculativeWorker:
@@ -60,6 +61,9 @@ class SpeculativeWorker:
             else Sequential())
         self._chain = ChainTree(spec.num_steps + 1)
         self.draft_state = self.draft_state_class(drafter.idle())
+        # Whether a greedy step may run as one graph when the runner has one (the worker
+        # hooks turn it off: they trace and force the phases one by one).
+        self.one_graph_steps = True
 
     # --- what the scheduler reserves, and where a step's KV goes ------------------------------
 
@@ -125,6 +129,10 @@ class SpeculativeWorker:
         if not reqs:
             return StepResult([], [], [], overlap=overlap, generations=[])
         generations = [r.retractions for r in reqs] if overlap else None
+        outcome = self.graph_step(reqs)
+        if outcome is not None:
+            return StepResult(reqs, outcome.emitted, [], outcome, overlap=overlap,
+                              generations=generations)
         with self.clock.timed("draft"):
             verify_input = self.draft(reqs, self.draft_state.aligned([r.rid for r in reqs]))
         with self.clock.timed("verify"):
@@ -138,18 +146,57 @@ class SpeculativeWorker:
 
     def resolved(self, result: StepResult, kept: list[int]) -> None:
         """After resolve (``kept``: the requests of ``result`` still running): a sequential
-        step's draft-extend; an overlap step ran it inside its launch."""
+        step's draft-extend; an overlap step ran it inside its launch, a step run as one
+        graph brought every request's next state, of which the kept rows stay."""
         if self.mode.overlap:
             return
-        assert result.verify is not None
+        outcome = result.verify
+        assert outcome is not None
+        reqs = [result.reqs[i] for i in kept]
         with self.clock.timed("extend"):
-            self.install_next([result.reqs[i] for i in kept],
-                              self.extend_input(result.verify, kept))
+            if outcome.next_state is None or not reqs:
+                self.install_next(reqs, self.extend_input(outcome, kept))
+                return
+            state = outcome.next_state
+            if len(kept) < len(result.reqs):
+                state = state.filter_batch(from_host(kept, state.device))
+            self.draft_state.install([r.rid for r in reqs], state)
 
     def drop(self, rid: str) -> None:
         """A request finished, was aborted or retracted: forget its draft state."""
         self.draft_state.drop(rid)
         self.mode.drop(rid)
+
+    # --- the whole step as one graph -------------------------------------------------------
+
+    def graph_step(self, reqs: list[Req]) -> VerifyOutcome | None:
+        """The step's draft, verify, greedy walk and draft-extend as one replay of the graph
+        runner's ``spec_step`` (``refengine/graph/step_graph.py``): for a sequential step
+        whose requests are all greedy. None when there is no such graph, it does not take the
+        batch, or ``one_graph_steps`` is off; the phases then run apart."""
+        graph = self.runner.spec_step
+        if (graph is None or not self.one_graph_steps or self.mode.overlap
+                or not all(r.params.greedy for r in reqs)):
+            return None
+        state = self.draft_state.aligned([r.rid for r in reqs])
+        assert isinstance(state, DraftInput | SeedInput)
+        with self.clock.timed("step"):
+            found = self.run_step_graph(reqs, state, graph)
+            if found is None:
+                return None
+            nodes, emitted = walked_paths(found[1], found[0])
+        return VerifyOutcome(nodes, emitted, None, None, graph.next_state(found))
+
+    def run_step_graph(self, reqs: list[Req], state: DraftInput | SeedInput, graph: StepGraph
+                       ) -> StepOutput | None:
+        """``graph``'s replay of the step of ``reqs`` from their draft ``state`` (what the
+        graph probe compares with the phases run one by one); None when it does not take the
+        batch."""
+        step = self.draft_step(reqs)
+        found: StepOutput | None = graph.run(
+            graph.inputs(state, *step.rows_roots_slots(self.spec.num_draft_tokens)),
+            max(step.roots))
+        return found
 
     # --- draft ------------------------------------------------------------------------------
 
@@ -209,8 +256,10 @@ class SpeculativeWorker:
     def extend_input(self, outcome: VerifyOutcome, keep: list[int]) -> DraftExtendInput:
         """The accepted runs of the requests ``keep`` (unfinished after verify), in order."""
         if not keep:
-            return DraftExtendInput.idle(self.runner.target.config.hidden_size,
-                                         outcome.features.dtype, outcome.features.device)
+            target = self.runner.target
+            return DraftExtendInput.idle(target.config.hidden_size, target.lm_head.weight.dtype,
+                                         self.runner.device)
+        assert outcome.features is not None, "a step run as one graph extends inside it"
         n, device = outcome.features.shape[1], outcome.features.device
         lens = [len(outcome.nodes[i]) for i in keep]
         # A node emits one token (the accepted drafts, then the bonus), so the feature rows and

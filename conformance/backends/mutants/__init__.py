@@ -53,6 +53,7 @@ from conformance.backends.mutants.graph import (
     KeyWidthFromFirstRequest,
     KeyWidthIgnoresNewTokens,
     StalePaddedRows,
+    StepRootNotRestaged,
 )
 from conformance.backends.mutants.lifecycle import (
     BatchLeaksAcrossRows,
@@ -181,11 +182,16 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            spec="mtp",
            graphs="replay",
            killed_by="test_graph.py::test_graph_matches_eager_at_every_size"),
+    # Trees: a greedy chain step runs as one graph, past the separate extend and verify.
     Mutant("extend_padding_not_restaged", ExtendPaddingNotRestaged,
-           spec="eagle",
+           spec="eagle-tree",
            graphs="replay",
-           killed_by="test_golden.py::test_acceptance_matches_golden[chain-s3-n4]"),
+           killed_by="test_golden.py::test_acceptance_matches_golden[tree-s3-k4-n8]"),
     Mutant("graph_walk_bonus_after_root", GraphWalkBonusAfterRoot,
+           spec="eagle-tree",
+           graphs="replay",
+           killed_by="test_lossless.py::test_greedy_matches_reference[tree-s3-k4-n8-batch-1]"),
+    Mutant("step_root_not_restaged", StepRootNotRestaged,
            spec="eagle",
            graphs="replay",
            killed_by="test_lossless.py::test_greedy_matches_reference[chain-s3-n4-batch-1]"),

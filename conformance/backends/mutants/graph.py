@@ -1,6 +1,7 @@
 """Graph-runner mutants: padded rows that keep an earlier replay's values, draft-loop
 buffers staged only at capture, key widths chosen for the cached prefix alone or for the
-first request, a verify graph whose greedy walk takes its bonus from the wrong node."""
+first request, a verify graph whose greedy walk takes its bonus from the wrong node, a
+one-graph step whose root token buffer is staged only at capture."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.graph.loop_staging import LoopStaging
 from refengine.graph.runner import GraphBatch, GraphRunner
 from refengine.graph.staging import DUMMY_SLOT, StagedViews, Staging, StepInputs
+from refengine.graph.step_graph import StepGraph
 from refengine.graph.target import GraphKey, TargetForward
 from refengine.model.llama import ForwardBatch
 
@@ -90,9 +92,11 @@ class KeyWidthFromFirstRequest(Engine):
     graph_runner_class = _FirstRequestWidthGraphRunner
 
 
-class _CaptureTimeBonusTokens(LoopStaging):
-    """Restages every buffer but ``bonus_tokens``, which only the first staging of a bucket
-    (its capture) writes."""
+class _CaptureTimeOnly(LoopStaging):
+    """Restages every buffer but ``stale`` (a field name), which only the first staging of a
+    bucket (its capture) writes."""
+
+    stale = ""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -107,9 +111,17 @@ class _CaptureTimeBonusTokens(LoopStaging):
 
     def restage(self, name: str, buf: torch.Tensor, value: torch.Tensor | None, raw: int,
                 bucket: int) -> None:
-        if name == "bonus_tokens" and self._replaying:
-            return  # BUG: the seed iteration replays the capture-time step's bonus tokens
+        if name == self.stale and self._replaying:
+            return  # BUG: the replay reads the capture-time step's values of this buffer
         super().restage(name, buf, value, raw, bucket)
+
+
+class _CaptureTimeBonusTokens(_CaptureTimeOnly):
+    stale = "bonus_tokens"
+
+
+class _CaptureTimeRoots(_CaptureTimeOnly):
+    stale = "verified_id"
 
 
 def loop_staging_runner(staging: type[LoopStaging]) -> type[GraphRunner]:
@@ -149,6 +161,18 @@ class ExtendPaddingNotRestaged(Engine):
     that KV get worse."""
 
     graph_runner_class = loop_staging_runner(_RealColumnsOnly)
+
+
+class StepRootNotRestaged(Engine):
+    """Step root not restaged: a greedy EAGLE chain step runs as one graph (draft, verify,
+    walk, draft-extend), but its ``verified_id`` buffer (each request's root token, the first
+    token verify reads) is written only when a bucket is captured, so every later replay
+    verifies after an earlier step's root. The target's KV at the root and every logit after
+    it are then wrong: greedy output changes, and only where the graph runner runs steps."""
+
+    graph_runner_class = type("_CaptureTimeRootsGraphRunner", (GraphRunner,), {
+        "step_graph_class": type("_CaptureTimeRootsStep", (StepGraph,),
+                                 {"staging_class": _CaptureTimeRoots})})
 
 
 class _BonusAfterRootForward(TargetForward):

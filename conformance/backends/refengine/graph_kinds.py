@@ -18,10 +18,12 @@ from conformance.backends.refengine.graph_world import ProbeWorld
 from conformance.contract import Mode
 from refengine.graph.runner import GraphBatch, GraphRunner
 from refengine.graph.staging import PAD_POLICY
+from refengine.graph.step_graph import StepGraph
 from refengine.model.llama import ForwardBatch
 from refengine.request import Req
 from refengine.runner import ModelRunner
-from refengine.speculative.draft_search import Candidates, LoopOutput
+from refengine.speculative.accept import VerifyOutcome, accept
+from refengine.speculative.draft_search import Candidates, LoopOutput, top_k
 from refengine.speculative.inputs import DraftExtendInput, DraftInput, SeedInput, VerifyInput
 
 # The names the probe protocol gives the index fields of the padded rows, by the name of the
@@ -217,16 +219,8 @@ class DraftLoopKind:
                ) -> DraftInput | SeedInput:
         loop = probe.draft_loop()
         assert loop is not None and probe.worker is not None
-        b, k, vocab = len(reqs), loop.topk, probe.vocab_size
-        gen = torch.Generator().manual_seed(10_007 * seed + 17)
-        hidden = torch.randn((b, loop.staging.buffers["hidden"].shape[1]), generator=gen)
-        hidden = hidden.to(loop.staging.buffers["hidden"].dtype)
-        tokens = torch.randint(1, vocab, (b,), generator=gen)
-        if self.loop_kind == "draft:mtp":
-            return on_device(SeedInput(tokens, hidden), probe.device)
-        scores = torch.rand((b, k), generator=gen).sort(dim=1, descending=True).values
-        return on_device(DraftInput(scores, torch.randint(1, vocab, (b, k), generator=gen),
-                                    hidden, tokens), probe.device)
+        return seeded_draft_state(probe, len(reqs), loop.topk, loop.staging.buffers["hidden"],
+                                  seed, mtp=self.loop_kind == "draft:mtp")
 
     def prepare(self, probe: ProbeWorld, reqs: list[Req], seed: int, mode: Mode
                 ) -> Prepared:
@@ -315,6 +309,122 @@ class DraftExtendKind:
                         key_width=key[1])
 
 
+def seeded_draft_state(probe: ProbeWorld, b: int, k: int, hidden_buffer: torch.Tensor,
+                       seed: int, mtp: bool = False) -> DraftInput | SeedInput:
+    """A seeded draft state for ``b`` requests (``k`` candidates each), its features shaped
+    and typed like a loop's staged ``hidden`` buffer: an EAGLE ``DraftInput``, or (``mtp``)
+    Frozen-KV MTP's ``SeedInput``."""
+    vocab = probe.vocab_size
+    gen = torch.Generator().manual_seed(10_007 * seed + 17)
+    hidden = torch.randn((b, hidden_buffer.shape[1]), generator=gen).to(hidden_buffer.dtype)
+    tokens = torch.randint(1, vocab, (b,), generator=gen)
+    if mtp:
+        return on_device(SeedInput(tokens, hidden), probe.device)
+    scores = torch.rand((b, k), generator=gen).sort(dim=1, descending=True).values
+    return on_device(DraftInput(scores, torch.randint(1, vocab, (b, k), generator=gen),
+                                hidden, tokens), probe.device)
+
+
+@dataclass(frozen=True)
+class OneGraphStepKind:
+    """A whole greedy chain step (EAGLE's or Frozen-KV MTP's): eager = the worker's phases one
+    by one on the plain runner (its draft search, the verify forward, the accept rule, then
+    the next draft state: EAGLE's draft-extend over the accepted run at the positions it holds
+    once committed and its top-1, MTP's last accepted (token, feature)); graph = the step
+    graph (``StepGraph``). Inputs are seeded draft states. The step writes the target's
+    verify block (and EAGLE's scratch and extend KV) in the reserved slots from each root on
+    (the targets)."""
+
+    step_kind: str                      # "step:eagle-chain" or "step:mtp-chain"
+    padded_names: Mapping[str, str]     # staged buffer -> protocol name
+    writes_kv = True
+
+    def available(self, probe: ProbeWorld) -> bool:
+        """Only where the worker runs it: a sequential (V1) worker; V2 extends in its launch."""
+        graph = probe.spec_step()
+        return (graph is not None and graph.kind == self.step_kind
+                and probe.worker is not None and not probe.worker.mode.overlap)
+
+    def graph(self, probe: ProbeWorld) -> StepGraph:
+        graph = probe.spec_step()
+        assert graph is not None
+        return graph
+
+    def length_fill(self, probe: ProbeWorld) -> int:
+        return int(self.graph(probe).staging.fields["roots"].fill)
+
+    def key_widths(self, probe: ProbeWorld) -> list[int]:
+        return self.graph(probe).kv_sizes
+
+    def past_committed(self, probe: ProbeWorld) -> int:
+        return self.graph(probe).reach()
+
+    def reach(self, probe: ProbeWorld) -> int:
+        return draft_reach(probe)
+
+    def prepare(self, probe: ProbeWorld, reqs: list[Req], seed: int, mode: Mode
+                ) -> Prepared:
+        worker, graph = probe.worker, self.graph(probe)
+        assert worker is not None
+        state = seeded_draft_state(probe, len(reqs), 1, graph.staging.buffers["hidden"], seed,
+                                   mtp=self.step_kind == "step:mtp-chain")
+        targets = worker.reserved_slots(reqs, graph.reach()).reshape(-1).clone()
+        if mode == "eager":
+            return Prepared(lambda: eager_step(probe, reqs, state), targets, len(reqs))
+        key = graph.key(len(reqs), max(worker.roots(reqs)))
+        if key is None:
+            raise RuntimeError(f"graph probe: {len(reqs)} requests do not replay on the "
+                               f"{self.step_kind!r} graph; a graph run that fell back to the "
+                               "phases would prove nothing")
+
+        def execute() -> dict[str, torch.Tensor]:
+            found = worker.run_step_graph(reqs, state, graph)
+            assert found is not None
+            walk, tokens = found[:2]
+            return step_outputs(tokens, walk[:, :tokens.shape[1]], graph.next_state(found))
+
+        return Prepared(execute, targets, key[0], graph.staging.buffers, self.padded_names,
+                        key_width=key[1])
+
+
+def eager_step(probe: ProbeWorld, reqs: list[Req], state: DraftInput | SeedInput
+               ) -> dict[str, torch.Tensor]:
+    """The step of ``OneGraphStepKind`` with its phases one by one on the probe's plain
+    runner: what the worker runs when it has no step graph, the commit left out (EAGLE's
+    extend sits where the committed run puts it)."""
+    worker, runner = probe.worker, probe.runner
+    assert worker is not None
+    n, steps = worker.spec.num_draft_tokens, worker.spec.num_steps
+    root_tokens = state.verified_id if isinstance(state, DraftInput) else state.bonus_tokens
+    verify_input = worker.to_verify_input(reqs, root_tokens, worker.eager_search(reqs, state))
+    out = runner.forward(runner.prepare_verify(reqs, verify_input,
+                                               worker.reserved_slots(reqs, n), causal=True))
+    nodes, emitted = accept(reqs, verify_input, out.logits.view(len(reqs), n, -1), steps,
+                            worker.sample_path)
+    outcome = VerifyOutcome(nodes, emitted, out.features.view(len(reqs), n, -1), verify_input)
+    accepted = worker.extend_input(outcome, list(range(len(reqs))))
+    last = torch.cumsum(accepted.accept_lens, 0) - 1  # each request's newest emitted token
+    following: DraftInput | SeedInput
+    if isinstance(state, DraftInput):
+        ends = [root + len(path) for root, path in zip(worker.roots(reqs), nodes, strict=True)]
+        logits, predicted = runner.forward_draft(
+            runner.prepare_draft_extend(reqs, accepted, ends), accepted.hidden_states)
+        following = DraftInput(*top_k(logits, 1), predicted, accepted.input_ids[last])
+    else:
+        following = SeedInput(accepted.input_ids[last], accepted.hidden_states[last])
+    paths = torch.tensor([path + [-1] * (steps + 1 - len(path)) for path in nodes],
+                         dtype=torch.int64, device=probe.device)
+    return step_outputs(verify_input.draft_tokens, paths, following)
+
+
+def step_outputs(tokens: torch.Tensor, paths: torch.Tensor, following: DraftInput | SeedInput
+                 ) -> dict[str, torch.Tensor]:
+    """A step's result: the verify tokens (root first), the accepted nodes (root first, -1
+    padded) and the next step's draft state (its root token is the bonus), every field."""
+    return {"draft_tokens": tokens, "accepted_nodes": paths,
+            **{f"next_{name}": value for name, value in following.columns().items()}}
+
+
 def draft_reach(probe: ProbeWorld) -> int:
     """A draft kind's allocation past the committed end: the worker's decode reservation
     (rounded up to a whole page where it is page-aligned)."""
@@ -350,6 +460,12 @@ KINDS: dict[str, ProbeKind] = {
         "rows": "request_rows", "bonus_tokens": "token_ids", "seq_lens": "lengths"}),
     "extend:eagle": DraftExtendKind({
         "rows": "request_rows", "slots": "out_slots", "ids": "token_ids", "ends": "lengths"}),
+    "step:eagle-chain": OneGraphStepKind("step:eagle-chain", {
+        "rows": "request_rows", "slots": "out_slots", "verified_id": "token_ids",
+        "roots": "lengths"}),
+    "step:mtp-chain": OneGraphStepKind("step:mtp-chain", {
+        "rows": "request_rows", "slots": "out_slots", "bonus_tokens": "token_ids",
+        "roots": "lengths"}),
 }
 
 

@@ -27,6 +27,7 @@ from conformance.backends.refengine.graph_kinds import (
     KINDS,
     DraftExtendKind,
     DraftLoopKind,
+    OneGraphStepKind,
     Prepared,
     ProbeKind,
 )
@@ -148,7 +149,8 @@ class RefGraphProbe(ProbeWorld):
     def _drafting(self, kind: ProbeKind, reqs: list[Req]) -> AbstractContextManager[None]:
         """A draft kind's requests as the worker drafts them (a V2 worker: reserved and
         rooted); left before ``requests`` rolls their allocations back."""
-        if isinstance(kind, (DraftLoopKind, DraftExtendKind)) and self.worker is not None:
+        if (isinstance(kind, (DraftLoopKind, DraftExtendKind, OneGraphStepKind))
+                and self.worker is not None):
             stack = ExitStack()
             stack.enter_context(self.worker.drafting_from_committed_end(reqs))
             stack.enter_context(self.kv.reserved(reqs, self.worker.reservation))

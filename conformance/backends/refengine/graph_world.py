@@ -30,6 +30,7 @@ from refengine.config import SamplingParams
 from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.graph.runner import GraphRunner
 from refengine.graph.staging import DUMMY_ROW
+from refengine.graph.step_graph import StepGraph
 from refengine.memory.allocator import AllocatorState
 from refengine.model.llama import ForwardBatch, ForwardOutput
 from refengine.request import Req
@@ -167,6 +168,13 @@ class ProbeWorld:
         if self.worker is None or "verify" not in self.graph("decode").kinds:
             return None
         return self.graph("verify").draft_extend
+
+    def spec_step(self) -> StepGraph | None:
+        """The one-graph EAGLE chain step of the graph runner that replays verify (None
+        without)."""
+        if self.worker is None or "verify" not in self.graph("decode").kinds:
+            return None
+        return self.graph("verify").spec_step
 
     @property
     def verify_tokens(self) -> int:

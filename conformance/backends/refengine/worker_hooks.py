@@ -53,6 +53,8 @@ class RefEngineWorkerHooks:
         if not isinstance(worker, SpeculativeWorker):
             raise TypeError(f"worker hooks trace a SpeculativeWorker, not "
                             f"{type(worker).__name__}")
+        # The traces and forced outcomes are of the phases one by one: no step as one graph.
+        worker.one_graph_steps = False
         state = worker.draft_state
         draft, verify, extend = worker.draft, worker.verify, worker.extend_input
         add, install = state.add, state.install
@@ -90,6 +92,7 @@ class RefEngineWorkerHooks:
     def _force(self, reqs: list[Req], outcome: VerifyOutcome) -> VerifyOutcome:
         """Replace a request's path by the tree's first-child chain of the forced length."""
         verify_input = outcome.verify_input
+        assert verify_input is not None, "the phases run one by one under the hooks"
         for i, req in enumerate(reqs):
             if req.rid not in self.forced:
                 continue
