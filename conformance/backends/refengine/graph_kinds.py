@@ -16,6 +16,7 @@ import torch
 
 from conformance.backends.refengine.graph_world import ProbeWorld
 from conformance.contract import Mode
+from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.graph.runner import GraphBatch, GraphRunner
 from refengine.graph.staging import PAD_POLICY
 from refengine.graph.step_graph import StepGraph
@@ -234,11 +235,7 @@ class DraftLoopKind:
         if mode == "eager":
             return Prepared(lambda: loop_outputs(worker.eager_search(reqs, draft_input)), targets,
                             len(reqs))
-        key = loop.key(len(reqs), max(worker.roots(reqs)))
-        if key is None:
-            raise RuntimeError(f"graph probe: {len(reqs)} requests do not replay on the "
-                               f"{self.loop_kind!r} loop; a graph run that fell back to "
-                               "eager would prove nothing")
+        key = replay_key(loop, len(reqs), max(worker.roots(reqs)))
 
         def execute() -> dict[str, torch.Tensor]:
             found = worker.graph_search(reqs, draft_input, loop)  # type: ignore[arg-type]
@@ -294,11 +291,7 @@ class DraftExtendKind:
         if mode == "eager":
             return Prepared(lambda: extend_outputs(worker.eager_extend(reqs, accepted)), targets,
                             len(reqs))
-        key = graph.key(len(reqs), int(ends.max()))
-        if key is None:
-            raise RuntimeError(f"graph probe: {len(reqs)} requests do not replay on the "
-                               "'extend:eagle' graph; a graph run that fell back to eager "
-                               "would prove nothing")
+        key = replay_key(graph, len(reqs), int(ends.max()))
 
         def execute() -> dict[str, torch.Tensor]:
             found = worker.graph_extend(reqs, accepted, graph)
@@ -371,11 +364,7 @@ class OneGraphStepKind:
         targets = worker.reserved_slots(reqs, graph.reach()).reshape(-1).clone()
         if mode == "eager":
             return Prepared(lambda: eager_step(probe, reqs, state), targets, len(reqs))
-        key = graph.key(len(reqs), max(worker.roots(reqs)))
-        if key is None:
-            raise RuntimeError(f"graph probe: {len(reqs)} requests do not replay on the "
-                               f"{self.step_kind!r} graph; a graph run that fell back to the "
-                               "phases would prove nothing")
+        key = replay_key(graph, len(reqs), max(worker.roots(reqs)))
 
         def execute() -> dict[str, torch.Tensor]:
             found = worker.run_step_graph(reqs, state, graph)
@@ -423,6 +412,17 @@ def step_outputs(tokens: torch.Tensor, paths: torch.Tensor, following: DraftInpu
     padded) and the next step's draft state (its root token is the bonus), every field."""
     return {"draft_tokens": tokens, "accepted_nodes": paths,
             **{f"next_{name}": value for name, value in following.columns().items()}}
+
+
+def replay_key(graph: DraftLoopGraph, raw: int, longest: int) -> tuple[int, int]:
+    """The key ``graph`` replays ``raw`` requests on (``longest``: their longest committed
+    length); RuntimeError where it would not take them: a graph run that fell back to eager
+    would prove nothing."""
+    key = graph.key(raw, longest)
+    if key is None:
+        raise RuntimeError(f"graph probe: {raw} requests do not replay on the {graph.kind!r} "
+                           "graph; a graph run that fell back to eager would prove nothing")
+    return key
 
 
 def draft_reach(probe: ProbeWorld) -> int:
