@@ -9,14 +9,14 @@ finite values (``LOOP_FIELDS`` says why for each buffer).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from refengine.graph.loop_staging import LoopStaging
 from refengine.graph.loops import GraphOutput, LoopKey, LoopProgram, LoopViews
-from refengine.graph.program import Executor, copy_out
+from refengine.graph.program import Executor, Program, copy_out
 from refengine.graph.staging import DUMMY_SLOT, pad_to_bucket
 from refengine.memory.kv_pool import KVPool
 from refengine.model.eagle3 import EagleHead
@@ -64,16 +64,26 @@ class DraftLoopGraph:
         eagle = isinstance(draft, EagleHead)
         if extend_rows and not eagle:
             raise ValueError("an extend graph needs an EAGLE head")
-        self.draft, self.pool, self.table = draft, pool, table
-        self.topk, self.steps = topk, steps
+        kind = ("extend:eagle" if extend_rows else "draft:eagle") if eagle else "draft:mtp"
+        self.bind(kind, draft, table, topk, steps, sizes, kv_sizes, {
+            "k": topk, "scratch": topk * (steps - 1), "N": extend_rows},
+            lambda fields: LoopProgram(kind, draft, pool, table, topk, steps, fields,
+                                       extend_rows or topk), executor)
+
+    def bind(self, kind: str, draft: EagleHead | FrozenKVMTPDraftModel, table: torch.Tensor,
+             topk: int, steps: int, sizes: Sequence[int], kv_sizes: Sequence[int],
+             dims: dict[str, int], program: Callable[[list[str]], Program[Any, Any, Any]],
+             executor: Executor[Any, Any, Any]) -> None:
+        """What every loop graph holds: its kind, buckets and key widths, its static buffers
+        (``dims`` per-request sizes by name; the features' ``H`` and dtype are the draft's),
+        the program built over those buffers' fields and a sibling of ``executor`` for it."""
+        self.kind, self.table, self.topk, self.steps = kind, table, topk, steps
         self.sizes, self.kv_sizes = list(sizes), list(kv_sizes)
-        self.kind = ("extend:eagle" if extend_rows else "draft:eagle") if eagle else "draft:mtp"
         hidden, dtype = feature_shape(draft)
-        dims = {"k": topk, "H": hidden, "scratch": topk * (steps - 1), "N": extend_rows}
-        self.staging = self.staging_class(self.kind, self.sizes[-1], dims, dtype, table.device)
-        self.program = LoopProgram(self.kind, draft, pool, table, topk, steps,
-                                   list(self.staging.fields), extend_rows or topk)
-        self.executor: Executor[LoopKey, LoopViews, GraphOutput] = executor.sibling(self.program)
+        self.staging = self.staging_class(kind, self.sizes[-1], {**dims, "H": hidden}, dtype,
+                                          table.device)
+        self.program = program(list(self.staging.fields))
+        self.executor: Executor[LoopKey, LoopViews, Any] = executor.sibling(self.program)
 
     def key(self, raw: int, longest: int) -> LoopKey | None:
         """(bucket, key width) for ``raw`` requests whose longest committed length (EAGLE's

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from refengine.graph.compile import InPlaceKV
-from refengine.graph.draft_loop import DraftLoopGraph, feature_shape
+from refengine.graph.draft_loop import DraftLoopGraph
 from refengine.graph.export import open_limits, register_tables
 from refengine.graph.forward import verify_walk, whole_forward
 from refengine.graph.loops import LoopKey, LoopViews, eagle_loop, mtp_loop
@@ -199,17 +199,10 @@ class StepGraph(DraftLoopGraph):
                  target_pool: KVPool, draft_pool: KVPool | None, table: torch.Tensor,
                  steps: int, sizes: Sequence[int], kv_sizes: Sequence[int],
                  executor: Executor[Any, Any, Any]) -> None:
-        self.draft, self.pool, self.table = draft, draft_pool or target_pool, table
-        self.topk, self.steps = 1, steps
-        self.sizes, self.kv_sizes = list(sizes), list(kv_sizes)
-        self.kind = EAGLE_CHAIN if isinstance(draft, EagleHead) else MTP_CHAIN
-        hidden, dtype = feature_shape(draft)
-        self.staging = self.staging_class(self.kind, self.sizes[-1],
-                                          {"k": 1, "H": hidden, "N": steps + 1}, dtype,
-                                          table.device)
-        self.program = StepProgram(self.kind, target, draft, target_pool, draft_pool, table,
-                                   steps, list(self.staging.fields))
-        self.executor: Executor[LoopKey, LoopViews, Any] = executor.sibling(self.program)
+        kind = EAGLE_CHAIN if isinstance(draft, EagleHead) else MTP_CHAIN
+        self.bind(kind, draft, table, 1, steps, sizes, kv_sizes, {"k": 1, "N": steps + 1},
+                  lambda fields: StepProgram(kind, target, draft, target_pool, draft_pool,
+                                             table, steps, fields), executor)
 
     def reach(self) -> int:
         """Key columns past a request's root that the step's attention spans: the verify

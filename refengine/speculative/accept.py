@@ -68,8 +68,14 @@ def accept(reqs: list[Req], verify_input: VerifyInput, logits: torch.Tensor, num
                                   sampling_probs(logits[i], req.params).cpu())
             path, last = sampled.nodes, sampled.bonus
         paths.append(path)
-        emitted.append([draft_tokens[i][j] for j in path[1:]] + [last])
+        emitted.append(emitted_tokens(draft_tokens[i], path, last))
     return paths, emitted
+
+
+def emitted_tokens(tokens: list[int], path: list[int], bonus: int) -> list[int]:
+    """What a request's accepted ``path`` (root first) over its tree's ``tokens`` emits: the
+    accepted drafts, then the bonus."""
+    return [tokens[j] for j in path[1:]] + [bonus]
 
 
 def greedy_path(walked: GreedyLists, i: int) -> tuple[list[int], int]:
@@ -83,9 +89,7 @@ def walked_paths(tokens: torch.Tensor, walk: torch.Tensor
     """``accept``'s result for a batch of greedy requests whose walk a graph already made
     (``tokens [b, N]``: the verify tokens, root first; ``walk``: ``greedy_walk_static``'s)."""
     walked = walk_lists(tokens, walk)
-    paths, emitted = [], []
-    for i, tokens_i in enumerate(walked[0]):
-        path, last = greedy_path(walked, i)
-        paths.append(path)
-        emitted.append([tokens_i[j] for j in path[1:]] + [last])
-    return paths, emitted
+    paths = [greedy_path(walked, i) for i in range(len(walked[0]))]
+    return ([path for path, _ in paths],
+            [emitted_tokens(row, path, bonus) for row, (path, bonus) in zip(walked[0], paths,
+                                                                           strict=True)])
